@@ -1,0 +1,200 @@
+"""`mtrl`: train, and read the versioned store.
+
+mtrl run [flags]                 RL iterations (defaults: the CPU demo on the embedded model)
+mtrl ls [--runs-dir DIR]         every stored version
+mtrl show STAGE/VERSION          a version's manifest and where its data is
+mtrl lineage STAGE/VERSION       its chain of parents back to the starting policy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from pipeline.models import ModelError
+from pipeline.store import Store, StoreError
+from schemas.config import RunConfig
+
+RUN_FLAGS = {  # flag -> (config field, type, help)
+    "--iterations": ("iterations", int, "RL iterations"),
+    "--task": ("task.name", str, "environment"),
+    "--rollouts": ("task.rollouts", int, "rollouts per iteration"),
+    "--group-size": ("task.group_size", int, "samples per task"),
+    "--max-turns": ("task.max_turns", int, "assistant turns per rollout at most"),
+    "--advantage": ("advantage.estimator", str, "advantage estimator"),
+    "--seed": ("seed", int, "seed of tasks, sampling and training"),
+    "--model": ("model.path", str, "local HF causal-LM directory or hub id (default: embedded tiny model)"),
+    "--runner": ("runner.kind", str, "where tools run: thread or ray"),
+    "--runs-dir": ("store.runs_dir", str, "root of the versioned store"),
+}
+
+
+class UsageError(Exception):
+    """A bad command line or config: printed as one line, exit status 2."""
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def build_config(args: argparse.Namespace) -> RunConfig:
+    """Defaults < --config FILE < named flags < --set key=value; validated before any work."""
+    try:
+        config = RunConfig.from_yaml(args.config) if args.config else RunConfig()
+        overrides: dict[str, Any] = {}
+        for flag, (field, _, _) in RUN_FLAGS.items():
+            value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+            if value is not None:
+                overrides[field] = value
+        for assignment in args.set or []:
+            key, sep, value = assignment.partition("=")
+            if not sep:
+                raise UsageError(f"--set {assignment}: expected KEY=VALUE, e.g. ppo.learning_rate=1e-4")
+            overrides[key] = _parse_value(value)
+        config = config.with_overrides(overrides)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+        raise UsageError(f"invalid config: {problems}") from None
+    except (ValueError, OSError) as exc:
+        raise UsageError(str(exc)) from None
+    return config
+
+
+def validate_choices(config: RunConfig) -> None:
+    """Names that only the registries know, checked before any work is done."""
+    from pipeline.models import resolve_model_dir
+    from stages.assign_rewards import ENVIRONMENTS
+    from stages.compute_advantages import ESTIMATORS
+
+    if config.task.name not in ENVIRONMENTS:
+        raise UsageError(f"unknown task '{config.task.name}'; valid: {', '.join(sorted(ENVIRONMENTS))}")
+    if config.advantage.estimator not in ESTIMATORS:
+        raise UsageError(
+            f"unknown advantage estimator '{config.advantage.estimator}'; valid: {', '.join(sorted(ESTIMATORS))}"
+        )
+    if config.runner.kind != "thread":
+        raise UsageError(f"runner '{config.runner.kind}' is not available yet; valid: thread")
+    try:
+        resolve_model_dir(config.model.path)
+    except ModelError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def command_run(args: argparse.Namespace) -> None:
+    config = build_config(args)
+    validate_choices(config)
+    from pipeline import prefect_env
+
+    prefect_env.configure(config.store.runs_dir)
+    from pipeline.flows import rl_training
+    from pipeline.models import load_tokenizer, resolve_model_dir
+
+    try:
+        load_tokenizer(resolve_model_dir(config.model.path))
+    except ModelError as exc:
+        raise UsageError(str(exc)) from None
+    started = time.time()
+    results = rl_training(config)
+    wall = time.time() - started
+    store = Store(config.store.runs_dir)
+    print(f"\n{'iter':>4} {'reward':>7} {'success':>7} {'turns':>6} {'gen tok':>8}")
+    for result in results:
+        m = result["metrics"]
+        print(
+            f"{result['iteration']:>4} {m['reward_mean'] or 0:>7.3f} {m['success_rate'] or 0:>7.2f} "
+            f"{m['mean_turns']:>6.2f} {m['mean_gen_tokens_per_rollout']:>8.1f}"
+        )
+    last = results[-1]
+    print(f"\n{len(results)} iteration(s) in {wall:.1f} s. Datasets of the last iteration:")
+    for stage in ("assign-rewards", "compute-advantages", "ppo-update"):
+        print(f"  {stage:<19} {store.path(stage, last['versions'][stage])}")
+    rounds = last["versions"]["execute-tools"]
+    print(f"  {'execute-tools':<19} {len(rounds)} turn(s), last: {store.path('execute-tools', rounds[-1])}")
+    print(f"  {'policy':<19} {store.policy_dir(last['next_policy'])}")
+    print("Load any of them with:  import datasets; datasets.load_from_disk('<path above>')")
+
+
+def command_ls(args: argparse.Namespace) -> None:
+    store = Store(args.runs_dir)
+    manifests = store.versions()
+    if not manifests:
+        print(f"no versions in {store.root}")
+        return
+    print(f"{'stage':<19} {'version':<17} {'iter':>4} {'turn':>4} {'rows':>6}  created")
+    for m in manifests:
+        turn = m.get("turn")
+        print(
+            f"{m['stage']:<19} {m['version']:<17} {m.get('iteration', ''):>4} "
+            f"{'' if turn is None else turn:>4} {m.get('rows', ''):>6}  {m['created_at'][:19]}"
+        )
+
+
+def command_show(args: argparse.Namespace) -> None:
+    store = Store(args.runs_dir)
+    stage, version = store.resolve(args.reference)
+    manifest = store.manifest(stage, version)
+    shown = {k: v for k, v in manifest.items() if k not in ("files", "source_files")}
+    print(json.dumps(shown, indent=2, sort_keys=True))
+    problems = store.verify(stage, version)
+    print(f"\nfiles: {len(manifest.get('files', {}))}, " + ("verified" if not problems else "; ".join(problems)))
+    print(f"path: {store.path(stage, version)}")
+    if stage != "policy":
+        print(f"load: datasets.load_from_disk('{store.path(stage, version)}')")
+
+
+def command_lineage(args: argparse.Namespace) -> None:
+    store = Store(args.runs_dir)
+    stage, version = store.resolve(args.reference)
+    for manifest in store.lineage(stage, version):
+        where = ", ".join(f"{k}={manifest[k]}" for k in ("iteration", "turn") if manifest.get(k) is not None)
+        print(f"{manifest['stage']}/{manifest['version']}  {where}")
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(
+        prog="mtrl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = root.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="train: RL iterations through the Prefect flow")
+    run.add_argument("--config", type=Path, help="YAML file with config sections")
+    for flag, (field, kind, text) in RUN_FLAGS.items():
+        run.add_argument(flag, type=kind, help=f"{text} (config: {field})")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE", help="any config field, e.g. ppo.epochs=2")
+    run.set_defaults(handler=command_run)
+
+    for name, handler, text in (
+        ("show", command_show, "a version's manifest"),
+        ("lineage", command_lineage, "a version's parents back to the starting policy"),
+    ):
+        sub = commands.add_parser(name, help=text)
+        sub.add_argument("reference", metavar="STAGE/VERSION")
+        sub.add_argument("--runs-dir", type=Path, default=Path("runs"))
+        sub.set_defaults(handler=handler)
+    ls = commands.add_parser("ls", help="every stored version")
+    ls.add_argument("--runs-dir", type=Path, default=Path("runs"))
+    ls.set_defaults(handler=command_ls)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        args.handler(args)
+    except (UsageError, StoreError) as exc:
+        print(f"mtrl: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

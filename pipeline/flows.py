@@ -1,0 +1,415 @@
+"""Prefect flows of mtrl. They read like the diagram in DESIGN.md:
+
+    policy vN ─┐
+    tasks ─────┴─> [generate-rollouts]_t ─> [execute-tools]_t   for t = 0..T-1 (active rollouts)
+                                         └─> [assign-rewards] ─> [compute-advantages] ─> [ppo-update] ─> policy vN+1
+
+Every stage is a thin Prefect task around a pure function in stages/. A task returns the
+*version* of the dataset it wrote. Versions are computed before a task runs, from its code,
+its config section and its inputs' versions; the store on disk is the truth:
+- a version already on disk is never recomputed (the task returns at once), and
+- Prefect's cache (keyed by version) is refreshed whenever that version is missing on disk,
+  so a cache hit can never point at deleted data.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+from prefect import flow, get_run_logger, task
+
+from pipeline.episodes import rollout_metrics, rollout_starts
+from pipeline.models import eos_token_ids, load_model, load_tokenizer, pick_device, resolve_model_dir
+from pipeline.store import POLICY, Store, file_digests, source_version, version_key
+from schemas.config import RunConfig
+from schemas.features import PPO_UPDATE, dataset_from_rows, token_counts
+from schemas.token_stream import CONTEXT_CONVENTION, chat_template_hash
+from stages import assign_rewards, compute_advantages, execute_tools, generate_rollouts, ppo_update
+
+ROOT = Path(__file__).resolve().parent.parent
+_SCHEMAS = [ROOT / "schemas" / "features.py", ROOT / "schemas" / "token_stream.py"]
+CODE_VERSIONS = {
+    "generate-rollouts": source_version(ROOT / "stages" / "generate_rollouts.py", *_SCHEMAS),
+    # Environments (stages/assign_rewards.py) decide termination and observations too.
+    "execute-tools": source_version(
+        ROOT / "stages" / "execute_tools.py", ROOT / "stages" / "assign_rewards.py", *_SCHEMAS
+    ),
+    "assign-rewards": source_version(ROOT / "stages" / "assign_rewards.py", *_SCHEMAS),
+    "compute-advantages": source_version(ROOT / "stages" / "compute_advantages.py", *_SCHEMAS),
+    "ppo-update": source_version(ROOT / "stages" / "ppo_update.py", *_SCHEMAS),
+    POLICY: "1",
+}
+ENVIRONMENT_CODE = source_version(ROOT / "stages" / "assign_rewards.py")
+
+
+# ---------------------------------------------------------------------------------------
+# Versions: what each stage hashes
+# ---------------------------------------------------------------------------------------
+
+
+def stage_config(config: RunConfig, stage: str, **position: int) -> dict[str, Any]:
+    """The part of the run config a stage's output depends on (hashed into its version)."""
+    if stage == "generate-rollouts":
+        return {
+            **config.section("generation", "task"),
+            "seed": config.seed,
+            "dtype": config.model.dtype,
+            "device": pick_device(config.model.device).type,
+            "environment_code": ENVIRONMENT_CODE,
+            **position,
+        }
+    if stage == "execute-tools":
+        return config.section("tools", "task", "generation")
+    if stage == "assign-rewards":
+        return config.section("reward")
+    if stage == "compute-advantages":
+        return config.section("advantage")
+    if stage == "ppo-update":
+        return {
+            **config.section("ppo"),
+            "seed": config.seed,
+            "temperature": config.generation.temperature,
+            "device": pick_device(config.model.device).type,
+        }
+    return {}
+
+
+def stage_version(config: RunConfig, stage: str, parents: dict[str, str], **position: int) -> str:
+    return version_key(stage, CODE_VERSIONS[stage], stage_config(config, stage, **position), parents)
+
+
+# ---------------------------------------------------------------------------------------
+# Runtime: the loaded policy (model, tokenizer, generation engine), one per process
+# ---------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _runtime(model_dir: str, dtype: str, device: str) -> tuple[Any, Any, generate_rollouts.Engine]:
+    tokenizer = load_tokenizer(model_dir)
+    model = load_model(model_dir, dtype, device)
+    engine = generate_rollouts.Engine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model))
+    return model, tokenizer, engine
+
+
+def policy_runtime(store: Store, config: RunConfig, policy_version: str) -> tuple[Any, Any, generate_rollouts.Engine]:
+    return _runtime(str(store.policy_dir(policy_version)), config.model.dtype, config.model.device)
+
+
+def import_base_policy(store: Store, config: RunConfig) -> str:
+    """Register the starting model as policy version of iteration -1 (it is not copied)."""
+    model_dir = resolve_model_dir(config.model.path)
+    load_tokenizer(model_dir)  # fail early, before any work, if it has no chat template
+    digests = file_digests(model_dir)
+    version = version_key(POLICY, CODE_VERSIONS[POLICY], {"source_files": digests}, {})
+
+    def fill(_tmp: Path) -> dict[str, Any]:
+        return {"source_path": str(model_dir), "source_files": digests}
+
+    store.write(POLICY, version, fill, {"parents": {}, "config": {}, "iteration": -1, "code_version": "1"})
+    return version
+
+
+def latest_policy(store: Store) -> str | None:
+    """The newest policy of the store (the highest iteration, then the newest write)."""
+    policies = store.versions(POLICY)
+    if not policies:
+        return None
+    return max(policies, key=lambda m: (m.get("iteration", -1), m["created_at"]))["version"]
+
+
+# ---------------------------------------------------------------------------------------
+# Stage tasks
+# ---------------------------------------------------------------------------------------
+
+
+def write_stage(
+    config: RunConfig,
+    stage: str,
+    version: str,
+    parents: dict[str, str],
+    compute: Callable[[], tuple[datasets.Dataset, dict[str, Any]]],
+    **position: int,
+) -> str:
+    """Compute and atomically store a stage version, unless it is already on disk."""
+    store = Store(config.store.runs_dir)
+    if store.exists(stage, version):
+        return version
+    started = time.time()
+    dataset, extra = compute()
+    store.write_dataset(
+        stage,
+        version,
+        dataset,
+        {
+            "parents": parents,
+            "config": stage_config(config, stage, **position),
+            "code_version": CODE_VERSIONS[stage],
+            "tokens": token_counts(dataset),
+            "wall_s": round(time.time() - started, 3),
+            **extra,
+        },
+    )
+    get_run_logger().info("%s/%s: %d rows in %.1f s", stage, version, len(dataset), time.time() - started)
+    return version
+
+
+def stage_task(stage: str) -> Callable[[Callable[..., str]], Any]:
+    """A Prefect task cached by the version it writes, with JSON (never pickle) results."""
+    return task(
+        name=stage,
+        cache_key_fn=lambda context, parameters: f"{stage}/{parameters['version']}",
+        result_serializer="json",
+        persist_result=True,
+    )
+
+
+def run_stage(prefect_task: Any, config: RunConfig, stage: str, version: str, **inputs: Any) -> str:
+    store = Store(config.store.runs_dir)
+    return prefect_task.with_options(
+        refresh_cache=not store.exists(stage, version),
+        result_storage=store.root / ".prefect" / "results",
+    )(config=config, version=version, **inputs)
+
+
+def rounds_of(store: Store, tools_version: str) -> list[str]:
+    """The execute-tools versions of every turn up to this one, oldest first."""
+    chain = []
+    current: str | None = tools_version
+    while current is not None:
+        chain.append(current)
+        generated = store.manifest("execute-tools", current)["parents"]["generate-rollouts"]
+        current = store.manifest("generate-rollouts", generated)["parents"].get("execute-tools")
+    return chain[::-1]
+
+
+def load_rounds(store: Store, tools_version: str) -> datasets.Dataset:
+    return datasets.concatenate_datasets([store.load("execute-tools", v) for v in rounds_of(store, tools_version)])
+
+
+@stage_task("generate-rollouts")
+def generate_rollouts_task(
+    config: RunConfig, version: str, policy_version: str, iteration: int, turn: int, previous: str | None
+) -> str:
+    store = Store(config.store.runs_dir)
+    parents = {POLICY: policy_version, **({"execute-tools": previous} if previous else {})}
+
+    def compute() -> tuple[datasets.Dataset, dict[str, Any]]:
+        _, tokenizer, engine = policy_runtime(store, config, policy_version)
+        dataset = generate_rollouts.generate_rollouts(
+            engine,
+            tokenizer,
+            config=config.generation,
+            seed=config.seed,
+            iteration=iteration,
+            turn=turn,
+            policy_version=policy_version,
+            starts=rollout_starts(config, iteration) if turn == 0 else None,
+            history=load_rounds(store, previous) if previous else None,
+        )
+        provenance = {
+            "sampling": config.generation.model_dump(mode="json") | {"seed": config.seed},
+            "logprob_convention": "log_softmax(logits / temperature) of the sampled token, before top-k/top-p",
+            "context_convention": CONTEXT_CONVENTION,
+            "chat_template_sha256": chat_template_hash(tokenizer),
+        }
+        return dataset, {"iteration": iteration, "turn": turn, "provenance": provenance}
+
+    return write_stage(config, "generate-rollouts", version, parents, compute, iteration=iteration, turn=turn)
+
+
+@stage_task("execute-tools")
+def execute_tools_task(config: RunConfig, version: str, generated: str, policy_version: str) -> str:
+    store = Store(config.store.runs_dir)
+
+    def compute() -> tuple[datasets.Dataset, dict[str, Any]]:
+        _, tokenizer, _ = policy_runtime(store, config, policy_version)
+        turns = store.load("generate-rollouts", generated)
+        dataset = execute_tools.execute_tools(
+            turns,
+            tokenizer,
+            assign_rewards.ENVIRONMENTS,
+            execute_tools.TOOLS,
+            task_config=config.task,
+            tools_config=config.tools,
+            generation_config=config.generation,
+            max_workers=config.runner.max_workers,
+        )
+        stops = dataset["stop_reason"]
+        summary = {
+            "active": sum(s is None for s in stops),
+            "stop_reasons": {s: stops.count(s) for s in sorted(set(stops) - {None})},
+            "tool_failures": execute_tools.failure_counts(dataset),
+            "tools": sorted(execute_tools.TOOLS),
+        }
+        return dataset, {"turn": turns[0]["turn"] if len(turns) else None, **summary}
+
+    return write_stage(config, "execute-tools", version, {"generate-rollouts": generated}, compute)
+
+
+@stage_task("assign-rewards")
+def assign_rewards_task(config: RunConfig, version: str, last_round: str) -> str:
+    store = Store(config.store.runs_dir)
+
+    def compute() -> tuple[datasets.Dataset, dict[str, Any]]:
+        dataset = assign_rewards.assign_rewards(
+            load_rounds(store, last_round), assign_rewards.ENVIRONMENTS, config.reward
+        )
+        return dataset, {"metrics": rollout_metrics(dataset), "environment_code": ENVIRONMENT_CODE}
+
+    return write_stage(config, "assign-rewards", version, {"execute-tools": last_round}, compute)
+
+
+@stage_task("compute-advantages")
+def compute_advantages_task(config: RunConfig, version: str, rewarded: str) -> str:
+    store = Store(config.store.runs_dir)
+
+    def compute() -> tuple[datasets.Dataset, dict[str, Any]]:
+        dataset = compute_advantages.compute_advantages(store.load("assign-rewards", rewarded), config.advantage)
+        per_token = np.concatenate([np.asarray(a, dtype=np.float32) for a in dataset["advantages"]] or [np.zeros(0)])
+        summary = {
+            "advantage_mean": float(per_token.mean()) if per_token.size else 0.0,
+            "advantage_abs_mean": float(np.abs(per_token).mean()) if per_token.size else 0.0,
+        }
+        return dataset, {"metrics": summary}
+
+    return write_stage(config, "compute-advantages", version, {"assign-rewards": rewarded}, compute)
+
+
+@stage_task("ppo-update")
+def ppo_update_task(config: RunConfig, version: str, advantaged: str, policy_version: str, iteration: int) -> str:
+    """Train the policy on the iteration's rollouts; write the next policy, then the metrics."""
+    store = Store(config.store.runs_dir)
+    next_policy = version_key(POLICY, CODE_VERSIONS[POLICY], {}, {"ppo-update": version})
+
+    def compute() -> tuple[datasets.Dataset, dict[str, Any]]:
+        tokenizer = load_tokenizer(str(store.policy_dir(policy_version)))
+        model = load_model(store.policy_dir(policy_version), "float32", config.model.device)
+        metrics = ppo_update.ppo_update(
+            model,
+            store.load("compute-advantages", advantaged),
+            config=config.ppo,
+            temperature=config.generation.temperature,
+            pad_token_id=tokenizer.pad_token_id,
+            seed=config.seed + iteration,
+        )
+
+        def save(tmp: Path) -> dict[str, Any]:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            return {}
+
+        store.write(
+            POLICY,
+            next_policy,
+            save,
+            {
+                "parents": {"ppo-update": version},
+                "config": {},
+                "code_version": CODE_VERSIONS[POLICY],
+                "iteration": iteration,
+            },
+        )
+        dataset = dataset_from_rows(metrics, PPO_UPDATE)
+        return dataset, {"metrics": ppo_update.metrics_summary(metrics), "policy": next_policy, "iteration": iteration}
+
+    write_stage(config, "ppo-update", version, {"compute-advantages": advantaged, POLICY: policy_version}, compute)
+    return next_policy
+
+
+# ---------------------------------------------------------------------------------------
+# Flows
+# ---------------------------------------------------------------------------------------
+
+
+@flow(name="rl-iteration")
+def rl_iteration(config: RunConfig, iteration: int | None = None, policy_version: str | None = None) -> dict[str, Any]:
+    """One RL iteration. Without arguments: the next iteration from the store's newest policy."""
+    logger = get_run_logger()
+    store = Store(config.store.runs_dir)
+    store.clean_stale_tmp()
+    if policy_version is None:
+        policy_version = latest_policy(store) or import_base_policy(store, config)
+    if iteration is None:
+        iteration = store.manifest(POLICY, policy_version).get("iteration", -1) + 1
+
+    previous: str | None = None
+    for turn in range(config.task.max_turns):
+        parents = {POLICY: policy_version, **({"execute-tools": previous} if previous else {})}
+        generated = run_stage(
+            generate_rollouts_task,
+            config,
+            "generate-rollouts",
+            stage_version(config, "generate-rollouts", parents, iteration=iteration, turn=turn),
+            policy_version=policy_version,
+            iteration=iteration,
+            turn=turn,
+            previous=previous,
+        )
+        previous = run_stage(
+            execute_tools_task,
+            config,
+            "execute-tools",
+            stage_version(config, "execute-tools", {"generate-rollouts": generated}),
+            generated=generated,
+            policy_version=policy_version,
+        )
+        if store.manifest("execute-tools", previous)["active"] == 0:
+            break
+
+    rewarded = run_stage(
+        assign_rewards_task,
+        config,
+        "assign-rewards",
+        stage_version(config, "assign-rewards", {"execute-tools": previous}),
+        last_round=previous,
+    )
+    advantaged = run_stage(
+        compute_advantages_task,
+        config,
+        "compute-advantages",
+        stage_version(config, "compute-advantages", {"assign-rewards": rewarded}),
+        rewarded=rewarded,
+    )
+    next_policy = run_stage(
+        ppo_update_task,
+        config,
+        "ppo-update",
+        stage_version(config, "ppo-update", {"compute-advantages": advantaged, POLICY: policy_version}),
+        advantaged=advantaged,
+        policy_version=policy_version,
+        iteration=iteration,
+    )
+    metrics = store.manifest("assign-rewards", rewarded)["metrics"]
+    logger.info(
+        "iteration %d: reward %.3f, success %.2f", iteration, metrics["reward_mean"] or 0, metrics["success_rate"] or 0
+    )
+    return {
+        "iteration": iteration,
+        "policy": policy_version,
+        "next_policy": next_policy,
+        "versions": {
+            "execute-tools": rounds_of(store, previous),
+            "assign-rewards": rewarded,
+            "compute-advantages": advantaged,
+            "ppo-update": store.manifest(POLICY, next_policy)["parents"]["ppo-update"],
+        },
+        "metrics": metrics,
+    }
+
+
+@flow(name="rl-training")
+def rl_training(config: RunConfig) -> list[dict[str, Any]]:
+    """config.iterations RL iterations from the starting model, each one an rl-iteration run."""
+    store = Store(config.store.runs_dir)
+    policy_version = import_base_policy(store, config)
+    results = []
+    for iteration in range(config.iterations):
+        results.append(rl_iteration(config, iteration=iteration, policy_version=policy_version))
+        policy_version = results[-1]["next_policy"]
+    return results

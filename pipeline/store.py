@@ -1,0 +1,268 @@
+"""The versioned store: one folder per (stage, version), written atomically, never overwritten.
+
+    <runs_dir>/<stage>/<version>/   a datasets.Dataset (save_to_disk) + manifest.json
+    <runs_dir>/policy/<version>/    a save_pretrained checkpoint + manifest.json
+
+A version is a content hash of the stage name, the stage's code version, its config and
+the versions of its inputs: same inputs and config give the same version (a cache hit);
+anything else gives a new folder beside the old ones. A folder is written under a hidden
+temporary name in the same directory and renamed into place only when complete, so a crash
+never leaves a half-written version that a later run could mistake for a finished one.
+The manifest records a digest of every file, so edited or corrupted versions are detected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import datasets
+import xxhash
+
+from schemas.features import STAGE_FEATURES
+
+# datasets writes cache files (map, cast, flatten_indices, ...) next to the data a dataset was
+# loaded from, i.e. *into a finished version folder*. Our stages never need that cache.
+datasets.disable_caching()
+
+DATASET_STAGES = ("generate-rollouts", "execute-tools", "assign-rewards", "compute-advantages", "ppo-update")
+POLICY = "policy"
+STAGES = (*DATASET_STAGES, POLICY)
+MANIFEST = "manifest.json"
+TMP_PREFIX = ".tmp-"
+VERSION_CHARS = 16
+
+
+class StoreError(RuntimeError):
+    """A missing, corrupted or ambiguous version."""
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False, default=str)
+
+
+def version_key(stage: str, code_version: str, config: dict[str, Any], parents: dict[str, str]) -> str:
+    """Content hash naming a stage output; configs are JSON-normalised by pydantic first."""
+    payload = {"stage": stage, "code_version": code_version, "config": config, "parents": parents}
+    return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:VERSION_CHARS]
+
+
+def source_version(*paths: str | Path) -> str:
+    """Code version of a stage: a hash of the source files its output depends on."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(Path(path).read_bytes())
+    return digest.hexdigest()[:VERSION_CHARS]
+
+
+def file_digests(folder: Path) -> dict[str, dict[str, Any]]:
+    digests = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
+        hasher = xxhash.xxh3_128()
+        with path.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 22), b""):
+                hasher.update(block)
+        digests[str(path.relative_to(folder))] = {"bytes": path.stat().st_size, "xxh3_128": hasher.hexdigest()}
+    return digests
+
+
+def library_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "datasets", "pyarrow", "numpy", "prefect", "mtrl"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with path.open("rb") as handle:
+                os.fsync(handle.fileno())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Store:
+    def __init__(self, root: str | Path):
+        self.root = Path(root).resolve()
+
+    # ------------------------------------------------------------------ reading
+
+    def path(self, stage: str, version: str) -> Path:
+        if stage not in STAGES:
+            raise StoreError(f"unknown stage '{stage}'; valid: {', '.join(STAGES)}")
+        return self.root / stage / version
+
+    def exists(self, stage: str, version: str) -> bool:
+        return (self.path(stage, version) / MANIFEST).is_file()
+
+    def manifest(self, stage: str, version: str) -> dict[str, Any]:
+        path = self.path(stage, version) / MANIFEST
+        if not path.is_file():
+            raise StoreError(f"{stage}/{version} is not in the store at {self.root}")
+        return json.loads(path.read_text())
+
+    def load(self, stage: str, version: str) -> datasets.Dataset:
+        self.manifest(stage, version)  # raises a clear error when missing
+        return datasets.load_from_disk(str(self.path(stage, version)))
+
+    def policy_dir(self, version: str) -> Path:
+        """Directory to load a policy from (an imported base model stays where it is)."""
+        manifest = self.manifest(POLICY, version)
+        return Path(manifest["source_path"]) if manifest.get("source_path") else self.path(POLICY, version)
+
+    def versions(self, stage: str | None = None) -> list[dict[str, Any]]:
+        """Manifests of the finished versions, oldest first."""
+        manifests = []
+        for name in [stage] if stage else STAGES:
+            folder = self.root / name
+            if folder.is_dir():
+                for entry in folder.iterdir():
+                    if not entry.name.startswith(".") and (entry / MANIFEST).is_file():
+                        manifests.append(json.loads((entry / MANIFEST).read_text()))
+        return sorted(manifests, key=lambda m: (m["created_at"], m["stage"], m["version"]))
+
+    def resolve(self, reference: str) -> tuple[str, str]:
+        """'stage/version' (a unique version prefix is enough) -> (stage, version)."""
+        stage, _, prefix = reference.strip("/").partition("/")
+        if stage not in STAGES or not prefix:
+            raise StoreError(f"'{reference}' is not STAGE/VERSION; stages: {', '.join(STAGES)}")
+        folder = self.root / stage
+        matches = (
+            sorted(p.name for p in folder.iterdir() if p.name.startswith(prefix) and (p / MANIFEST).is_file())
+            if folder.is_dir()
+            else []
+        )
+        if len(matches) != 1:
+            found = "no version" if not matches else f"{len(matches)} versions"
+            raise StoreError(f"{found} of {stage} match '{prefix}' in {self.root}")
+        return stage, matches[0]
+
+    def lineage(self, stage: str, version: str) -> list[dict[str, Any]]:
+        """This version and all its ancestors, depth first (each manifest once)."""
+        seen: set[tuple[str, str]] = set()
+        chain: list[dict[str, Any]] = []
+
+        def visit(s: str, v: str) -> None:
+            if (s, v) in seen:
+                return
+            seen.add((s, v))
+            manifest = self.manifest(s, v)
+            chain.append(manifest)
+            for parent_stage, parent_version in manifest.get("parents", {}).items():
+                visit(parent_stage.split("#")[0], parent_version)
+
+        visit(stage, version)
+        return chain
+
+    def verify(self, stage: str, version: str) -> list[str]:
+        """Problems with a version's files (empty when they match the manifest's digests)."""
+        expected = self.manifest(stage, version).get("files", {})
+        actual = file_digests(self.path(stage, version))
+        problems = [f"missing file {name}" for name in expected if name not in actual]
+        problems += [f"unexpected file {name}" for name in actual if name not in expected]
+        problems += [
+            f"{name} differs from its digest" for name in expected if name in actual and actual[name] != expected[name]
+        ]
+        return problems
+
+    # ------------------------------------------------------------------ writing
+
+    def write(
+        self, stage: str, version: str, fill: Callable[[Path], dict[str, Any]], manifest: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Atomically create stage/version: fill(tmp_dir) writes the files and returns extra
+        manifest fields. Returns the final manifest. An existing version is never touched."""
+        final = self.path(stage, version)
+        if self.exists(stage, version):
+            return self.manifest(stage, version)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f"{TMP_PREFIX}{version}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        started = time.time()
+        try:
+            extra = fill(tmp)
+            full = {
+                "stage": stage,
+                "version": version,
+                **manifest,
+                **extra,
+                "created_at": datetime.now(UTC).isoformat(timespec="milliseconds"),
+                "write_s": round(time.time() - started, 3),
+                "library_versions": library_versions(),
+                "files": file_digests(tmp),
+            }
+            (tmp / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=True, default=str) + "\n")
+            _fsync_tree(tmp)
+            try:
+                os.rename(tmp, final)  # atomic; fails if another writer finished first
+            except OSError:
+                if self.exists(stage, version):
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    return self.manifest(stage, version)
+                raise
+            _fsync_dir(final.parent)
+            return full
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # SIGKILL skips this: clean_stale_tmp() does it later
+            raise
+
+    def write_dataset(
+        self, stage: str, version: str, dataset: datasets.Dataset, manifest: dict[str, Any]
+    ) -> dict[str, Any]:
+        expected = STAGE_FEATURES.get(stage)
+        if expected is not None and dataset.features != expected:
+            raise StoreError(f"{stage}/{version}: features differ from schemas.features: {dataset.features}")
+
+        def fill(tmp: Path) -> dict[str, Any]:
+            dataset.save_to_disk(str(tmp))
+            return {"rows": len(dataset), "features": list(dataset.features)}
+
+        return self.write(stage, version, fill, manifest)
+
+    def clean_stale_tmp(self) -> list[Path]:
+        """Remove temporary folders left by writers that died (their pid is gone)."""
+        removed = []
+        for stage in STAGES:
+            folder = self.root / stage
+            if not folder.is_dir():
+                continue
+            for entry in folder.glob(f"{TMP_PREFIX}*"):
+                try:
+                    pid = int(entry.name.split("-")[-2])
+                except (IndexError, ValueError):
+                    continue
+                if not _pid_alive(pid):
+                    shutil.rmtree(entry, ignore_errors=True)
+                    removed.append(entry)
+        return removed

@@ -1,0 +1,135 @@
+"""The one run configuration: a pydantic model with a section per part of the pipeline.
+
+Loaded from YAML (`mtrl run --config FILE`), overridden by CLI flags, and used as the
+Prefect flow's parameter schema. Every field has a type, a range, a description and a
+default that works for the CPU demo. Each stage hashes only its own section(s) into its
+version, so changing the estimator leaves rollouts cached.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str | None = Field(
+        None, description="Local HF causal-LM directory or hub id; empty means the embedded tiny model."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype for generation.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the policy runs; auto picks cuda if present."
+    )
+
+
+class TaskConfig(Section):
+    name: str = Field("calculator", description="Environment (task) name; see `mtrl run --help` for the choices.")
+    rollouts: int = Field(32, ge=1, le=100_000, description="Rollouts per iteration (tasks x group size).")
+    group_size: int = Field(
+        8, ge=1, le=1024, description="Samples of the same task; group-relative baselines use them."
+    )
+    max_turns: int = Field(4, ge=1, le=1000, description="Assistant turns before a rollout is cut (max-turns).")
+
+    @model_validator(mode="after")
+    def _groups_divide_rollouts(self) -> TaskConfig:
+        if self.rollouts % self.group_size:
+            raise ValueError(f"rollouts ({self.rollouts}) must be a multiple of group_size ({self.group_size})")
+        return self
+
+
+class GenerationConfig(Section):
+    temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature; logprobs use the same.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (1 = off).")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0 = off).")
+    max_new_tokens: int = Field(96, ge=1, le=65536, description="Tokens per assistant turn.")
+    max_context_tokens: int = Field(2048, ge=16, description="Context budget of a rollout; beyond it: truncated.")
+    enable_thinking: bool = Field(True, description="Chat template flag; False pre-fills an empty <think> block.")
+
+
+class ToolsConfig(Section):
+    timeout_s: float = Field(5.0, gt=0.0, le=3600.0, description="Wall-clock limit per tool call.")
+    max_output_chars: int = Field(2000, ge=16, description="Tool output beyond this is truncated (and marked).")
+
+
+class RewardConfig(Section):
+    truncated_reward: float = Field(
+        0.0, ge=-1e6, le=1e6, description="Final reward of a rollout cut by max turns, context overflow or length."
+    )
+
+
+class AdvantageConfig(Section):
+    estimator: str = Field("grpo", description="Advantage estimator; see `mtrl run --help` for the choices.")
+    normalize_by_std: bool = Field(True, description="GRPO: divide by the group std (False = Dr. GRPO).")
+    epsilon: float = Field(1e-6, gt=0.0, description="Added to the std before dividing.")
+
+
+class PPOConfig(Section):
+    learning_rate: float = Field(2e-4, gt=0.0, le=1.0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    epochs: int = Field(1, ge=1, le=100, description="Passes over the iteration's rollouts.")
+    minibatch_rollouts: int = Field(16, ge=1, description="Rollouts per optimiser step.")
+    clip_low: float = Field(0.2, ge=0.0, le=1.0, description="Ratio clip below 1 (epsilon_low).")
+    clip_high: float = Field(0.28, ge=0.0, le=10.0, description="Ratio clip above 1 (epsilon_high, clip-higher).")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping by global norm.")
+    logprob_chunk_tokens: int = Field(
+        1024, ge=1, description="Tokens per chunk of the log-softmax over the vocabulary."
+    )
+
+
+class StoreConfig(Section):
+    runs_dir: Path = Field(Path("runs"), description="Root of the versioned store.")
+
+
+class RunnerConfig(Section):
+    kind: Literal["thread", "ray"] = Field("thread", description="Where tools and rewards run.")
+    max_workers: int = Field(8, ge=1, le=1024, description="Parallel tool calls.")
+    ray_address: str | None = Field(None, description="Ray cluster address; empty means a local in-process Ray.")
+
+
+class RunConfig(Section):
+    """Everything one training run needs. `mtrl run --help` lists the CLI flags that set it."""
+
+    seed: int = Field(0, ge=0, description="Seed of task sampling, generation and training.")
+    iterations: int = Field(3, ge=1, le=100_000, description="RL iterations (`mtrl run`).")
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    generation: GenerationConfig = GenerationConfig()
+    tools: ToolsConfig = ToolsConfig()
+    reward: RewardConfig = RewardConfig()
+    advantage: AdvantageConfig = AdvantageConfig()
+    ppo: PPOConfig = PPOConfig()
+    store: StoreConfig = StoreConfig()
+    runner: RunnerConfig = RunnerConfig()
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> RunConfig:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the config must be a mapping of sections")
+        return cls.model_validate(data)
+
+    def with_overrides(self, overrides: dict[str, Any]) -> RunConfig:
+        """A copy with dotted keys replaced, e.g. {"ppo.learning_rate": 1e-4}; validated."""
+        data = self.model_dump(mode="json")
+        for dotted, value in overrides.items():
+            node = data
+            *parents, leaf = dotted.split(".")
+            for key in parents:
+                if not isinstance(node.get(key), dict):
+                    raise ValueError(f"unknown config section '{key}' in '{dotted}'")
+                node = node[key]
+            if leaf not in node:
+                raise ValueError(f"unknown config field '{dotted}'")
+            node[leaf] = value
+        return RunConfig.model_validate(data)
+
+    def section(self, *names: str) -> dict[str, Any]:
+        """JSON-normalised sections (what a stage hashes into its version)."""
+        return {name: getattr(self, name).model_dump(mode="json") for name in names}

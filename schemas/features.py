@@ -1,0 +1,121 @@
+"""Arrow schemas (`datasets.Features`) of every stage's dataset.
+
+One row is one assistant turn of one rollout. Each stage adds columns to its input's, so a
+later stage's dataset is self-contained: load any version with `datasets.load_from_disk`
+and it holds everything about those turns. Token IDs are int32 and logprobs float32; both
+survive save/load bit-exactly. Only each turn's new tokens are stored (the deltas):
+
+    full token stream of a rollout = concat over turns of
+        context_token_ids + completion_token_ids + observation_token_ids
+"""
+
+from __future__ import annotations
+
+from datasets import Dataset, Features, List, Value
+
+TOKENS = List(Value("int32"))
+FLOATS = List(Value("float32"))
+
+GENERATE_ROLLOUTS = Features(
+    {
+        "rollout_id": Value("int32"),  # unique within an iteration
+        "group_id": Value("int32"),  # rollouts of the same task share it
+        "task": Value("string"),  # environment name
+        "task_id": Value("string"),
+        "task_payload": Value("string"),  # JSON of the task (question, hidden answer, ...)
+        "iteration": Value("int32"),
+        "turn": Value("int32"),
+        "policy_version": Value("string"),
+        "sampling_seed": Value("int64"),  # seed of this turn's private generator
+        "stream_offset": Value("int32"),  # tokens of the rollout's stream before this turn
+        "context_token_ids": TOKENS,  # appended before generation (prompt, or generation prompt)
+        "completion_token_ids": TOKENS,  # exactly the sampled tokens
+        "completion_logprobs": FLOATS,  # log_softmax(logits / T) of each sampled token
+        "finish_reason": Value("string"),  # stop | length
+        "thinking": Value("string"),
+        "content": Value("string"),
+    }
+)
+
+TOOL_CALL = {
+    "id": Value("string"),
+    "name": Value("string"),
+    "arguments": Value("string"),  # JSON text
+    "parse_error": Value("string"),  # null when the call is well formed
+    "result": Value("string"),
+    "failure_kind": Value("string"),  # null, or malformed | unknown_tool | bad_arguments | raised | timeout
+}
+
+EXECUTE_TOOLS = Features(
+    {
+        **GENERATE_ROLLOUTS,
+        "tool_calls": List(TOOL_CALL),
+        "observation": Value("string"),
+        "observation_token_ids": TOKENS,  # appended after the completion
+        "turn_reward": Value("float32"),
+        "terminated": Value("bool"),  # natural end (final answer, solved, ...)
+        "truncated": Value("bool"),  # cut: max turns, context overflow, length
+        "stop_reason": Value("string"),  # null while the rollout goes on
+        "failed": Value("bool"),  # infrastructure failure: excluded from baselines and loss
+        "failure": Value("string"),
+    }
+)
+
+ASSIGN_REWARDS = Features({**EXECUTE_TOOLS, "reward": Value("float32")})  # final reward, on every row
+
+COMPUTE_ADVANTAGES = Features(
+    {
+        **ASSIGN_REWARDS,
+        "advantages": FLOATS,  # one per completion token
+        "returns": FLOATS,  # one per completion token
+    }
+)
+
+PPO_UPDATE = Features(
+    {
+        "epoch": Value("int32"),
+        "step": Value("int32"),
+        "rollouts": Value("int32"),
+        "tokens": Value("int32"),
+        "learning_rate": Value("float32"),
+        "policy_loss": Value("float32"),
+        "clip_fraction": Value("float32"),
+        "approx_kl": Value("float32"),
+        "entropy": Value("float32"),
+        "grad_norm": Value("float32"),
+        "ratio_mean": Value("float32"),
+        "ratio_max": Value("float32"),
+    }
+)
+
+STAGE_FEATURES = {
+    "generate-rollouts": GENERATE_ROLLOUTS,
+    "execute-tools": EXECUTE_TOOLS,
+    "assign-rewards": ASSIGN_REWARDS,
+    "compute-advantages": COMPUTE_ADVANTAGES,
+    "ppo-update": PPO_UPDATE,
+}
+
+
+def dataset_from_rows(rows: list[dict], features: Features) -> Dataset:
+    """A dataset with exactly these features (missing keys become null), also when empty."""
+    return Dataset.from_dict({name: [row.get(name) for row in rows] for name in features}, features=features)
+
+
+def sort_turns(dataset: Dataset) -> Dataset:
+    """Rows ordered by (rollout_id, turn), as a plain table (no indices mapping)."""
+    if dataset._indices is not None:  # a selection/shuffle view: materialise it first
+        dataset = dataset.flatten_indices(keep_in_memory=True)
+    table = dataset.data.table.sort_by([("rollout_id", "ascending"), ("turn", "ascending")])
+    return Dataset(table, info=dataset.info.copy())
+
+
+def token_counts(dataset: Dataset) -> dict[str, int]:
+    """Total context / completion / observation tokens, from Arrow list lengths."""
+    counts = {}
+    for name in ("context_token_ids", "completion_token_ids", "observation_token_ids"):
+        if name in dataset.column_names:
+            counts[name.removesuffix("_token_ids")] = sum(
+                len(chunk.values) for chunk in dataset.data.column(name).chunks
+            )
+    return counts

@@ -1,0 +1,273 @@
+"""generate-rollouts: one assistant turn for every active rollout, token in, token out.
+
+Each rollout's context is its exact token stream (see schemas/token_stream.py). The engine
+keeps every rollout's KV cache across turns, so a new turn prefills only its delta tokens
+(the last sampled token, the observation and the generation prompt) instead of re-encoding
+the whole history. Every sampled token is stored with its logprob under the convention
+
+    completion_logprobs[i] = log_softmax(logits / temperature)[token_i]
+
+taken before any top-k/top-p truncation. Each rollout turn samples from its own seeded
+generator, so the same seed gives the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import datasets
+import torch
+from transformers import DynamicCache
+
+from schemas.config import GenerationConfig
+from schemas.features import GENERATE_ROLLOUTS, dataset_from_rows
+from schemas.token_stream import generation_prompt_ids, prompt_token_ids
+
+# ---------------------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    key: int  # identifies the rollout whose KV cache may be reused
+    token_ids: list[int]  # the whole context the model sees
+    seed: int  # seed of this turn's private generator
+    max_new_tokens: int
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (an EOS token) or "length"
+
+
+def sampling_seed(seed: int, iteration: int, rollout_id: int, turn: int) -> int:
+    """A 63-bit seed per rollout turn, independent of batch composition."""
+    digest = hashlib.sha256(f"{seed}/{iteration}/{rollout_id}/{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def filter_logits(scaled_logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k then top-p truncation of temperature-scaled logits (removed entries -> -inf)."""
+    if top_k > 0 and top_k < scaled_logits.shape[-1]:
+        kth = torch.topk(scaled_logits, top_k, dim=-1).values[..., -1:]
+        scaled_logits = scaled_logits.masked_fill(scaled_logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled_logits, descending=True, dim=-1)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        remove_sorted = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses p
+        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+        scaled_logits = scaled_logits.masked_fill(remove, float("-inf"))
+    return scaled_logits
+
+
+# ---------------------------------------------------------------------------------------
+# Engine: simple, exact batched decoding with per-rollout KV caches kept across turns
+# ---------------------------------------------------------------------------------------
+
+
+class Engine:
+    """Batched decoding over a HF causal LM with a KV cache that survives between calls.
+
+    The cache holds one row per rollout of the previous call. When every request extends the
+    tokens its row already holds, those rows are kept (in the new order) and only the new
+    tokens are prefilled; otherwise the cache is rebuilt from the full contexts. Rows are
+    aligned by padding *between* segments (attention mask 0), with position ids counted over
+    real tokens only, so results equal unpadded per-rollout decoding.
+    """
+
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_ids: Sequence[int]):
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.pad_token_id = pad_token_id
+        self.eos_token_ids = torch.tensor(sorted(set(eos_token_ids)), device=self.device)
+        self.reset()
+
+    def reset(self) -> None:
+        self._cache: DynamicCache | None = None
+        self._mask: torch.Tensor | None = None  # [rows, cached length], 1 on real tokens
+        self._keys: list[int] = []
+        self._cached_tokens: list[list[int]] = []  # real tokens each row's cache holds
+
+    def _reusable_rows(self, requests: Sequence[Request]) -> list[int] | None:
+        row_of = {key: row for row, key in enumerate(self._keys)}
+        rows = []
+        for request in requests:
+            row = row_of.get(request.key)
+            if row is None:
+                return None
+            cached = self._cached_tokens[row]
+            if len(cached) >= len(request.token_ids) or request.token_ids[: len(cached)] != cached:
+                return None
+            rows.append(row)
+        return rows
+
+    def _forward(self, input_ids: torch.Tensor, new_mask: torch.Tensor) -> torch.Tensor:
+        """Append a block of tokens to every row; return the logits of the block's last column."""
+        mask = new_mask if self._mask is None else torch.cat([self._mask, new_mask], dim=1)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1] :]
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=self._cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self._cache, self._mask = out.past_key_values, mask
+        return out.logits[:, -1, :].float()
+
+    @torch.no_grad()
+    def generate(
+        self, requests: Sequence[Request], temperature: float, top_k: int = 0, top_p: float = 1.0
+    ) -> list[Completion]:
+        if not requests:
+            return []
+        rows = self._reusable_rows(requests)
+        if rows is None:
+            self.reset()
+            self._cache = DynamicCache(config=self.model.config)
+            prefixes = [0] * len(requests)
+        else:
+            self._cache.batch_select_indices(torch.tensor(rows, device=self.device))
+            self._mask = self._mask[rows]
+            prefixes = [len(self._cached_tokens[row]) for row in rows]
+
+        # Prefill the new tokens of every row, left-padded so each row ends at the last column.
+        new_tokens = [r.token_ids[p:] for r, p in zip(requests, prefixes)]
+        width = max(len(t) for t in new_tokens)
+        block = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long)
+        block_mask = torch.zeros((len(requests), width), dtype=torch.long)
+        for i, tokens in enumerate(new_tokens):
+            block[i, width - len(tokens) :] = torch.tensor(tokens)
+            block_mask[i, width - len(tokens) :] = 1
+        logits = self._forward(block.to(self.device), block_mask.to(self.device))
+
+        generators = [torch.Generator(device=self.device).manual_seed(r.seed) for r in requests]
+        limits = [r.max_new_tokens for r in requests]
+        sampled: list[list[int]] = [[] for _ in requests]
+        logprobs: list[list[float]] = [[] for _ in requests]
+        finish: list[str | None] = [None] * len(requests)
+        while True:
+            scaled = logits / temperature
+            token_logprobs = torch.log_softmax(scaled, dim=-1)
+            probs = filter_logits(scaled, top_k, top_p).softmax(dim=-1)
+            next_tokens = torch.full((len(requests),), self.pad_token_id, dtype=torch.long, device=self.device)
+            for i, generator in enumerate(generators):
+                if finish[i] is not None:
+                    continue
+                token = torch.multinomial(probs[i], 1, generator=generator)
+                next_tokens[i] = token
+                sampled[i].append(int(token))
+                logprobs[i].append(float(token_logprobs[i, token]))
+                if bool(torch.isin(token, self.eos_token_ids)):
+                    finish[i] = "stop"
+                elif len(sampled[i]) >= limits[i]:
+                    finish[i] = "length"
+            if all(f is not None for f in finish):
+                break
+            # Feed the sampled tokens; rows that finished are masked out from here on.
+            active = torch.tensor([[f is None] for f in finish], dtype=torch.long, device=self.device)
+            logits = self._forward(next_tokens[:, None], active)
+
+        # The last sampled token of each row is not in the cache yet; it is fed next turn.
+        self._keys = [r.key for r in requests]
+        self._cached_tokens = [r.token_ids + s[:-1] for r, s in zip(requests, sampled)]
+        return [Completion(s, lp, f or "length") for s, lp, f in zip(sampled, logprobs, finish)]
+
+
+# ---------------------------------------------------------------------------------------
+# The stage
+# ---------------------------------------------------------------------------------------
+
+
+def split_thinking(text: str) -> tuple[str, str]:
+    """(thinking, content) of an assistant completion decoded without special tokens."""
+    if "</think>" not in text:
+        return "", text.strip()
+    thinking, content = text.rsplit("</think>", 1)
+    return thinking.split("<think>", 1)[-1].strip(), content.strip()
+
+
+def rollout_streams(history: datasets.Dataset) -> dict[int, list[int]]:
+    """rollout_id -> its full token stream so far, from earlier execute-tools rows."""
+    columns = history.select_columns(
+        ["rollout_id", "turn", "context_token_ids", "completion_token_ids", "observation_token_ids"]
+    ).to_dict()
+    order = sorted(range(len(columns["turn"])), key=lambda i: (columns["rollout_id"][i], columns["turn"][i]))
+    streams: dict[int, list[int]] = {}
+    for i in order:
+        stream = streams.setdefault(columns["rollout_id"][i], [])
+        stream += columns["context_token_ids"][i] + columns["completion_token_ids"][i]
+        stream += columns["observation_token_ids"][i]
+    return streams
+
+
+def generate_rollouts(
+    engine: Engine,
+    tokenizer: Any,
+    *,
+    config: GenerationConfig,
+    seed: int,
+    iteration: int,
+    turn: int,
+    policy_version: str,
+    starts: list[dict[str, Any]] | None = None,
+    history: datasets.Dataset | None = None,
+) -> datasets.Dataset:
+    """One assistant turn for each active rollout.
+
+    Turn 0 takes `starts` (rollout_id, group_id, task, task_id, task_payload, messages,
+    tools); later turns take `history`, the execute-tools rows of all earlier turns, and
+    continue the rollouts whose last row has no stop_reason.
+    """
+    rows: list[dict[str, Any]] = []
+    streams: list[list[int]] = []
+    if turn == 0:
+        for start in starts or []:
+            context = prompt_token_ids(tokenizer, start["messages"], start["tools"], config.enable_thinking)
+            rows.append({k: start[k] for k in ("rollout_id", "group_id", "task", "task_id", "task_payload")})
+            rows[-1]["context_token_ids"] = context
+            streams.append(context)
+    else:
+        assert history is not None, "turns after the first continue from the execute-tools history"
+        full_streams = rollout_streams(history)
+        last_rows = {}
+        for row in history.select_columns(
+            ["rollout_id", "group_id", "task", "task_id", "task_payload", "turn", "stop_reason"]
+        ):
+            if row["turn"] == turn - 1 and row["stop_reason"] is None:
+                last_rows[row["rollout_id"]] = row
+        context = generation_prompt_ids(tokenizer, config.enable_thinking)
+        for rollout_id in sorted(last_rows):
+            row = last_rows[rollout_id]
+            rows.append({k: row[k] for k in ("rollout_id", "group_id", "task", "task_id", "task_payload")})
+            rows[-1]["context_token_ids"] = list(context)
+            streams.append(full_streams[rollout_id] + context)
+
+    requests = []
+    for row, stream in zip(rows, streams):
+        row["sampling_seed"] = sampling_seed(seed, iteration, row["rollout_id"], turn)
+        row["stream_offset"] = len(stream) - len(row["context_token_ids"])
+        budget = min(config.max_new_tokens, config.max_context_tokens - len(stream))
+        requests.append(Request(row["rollout_id"], stream, row["sampling_seed"], max(1, budget)))
+    completions = engine.generate(requests, config.temperature, config.top_k, config.top_p)
+
+    for row, completion in zip(rows, completions):
+        thinking, content = split_thinking(tokenizer.decode(completion.token_ids, skip_special_tokens=True))
+        row.update(
+            iteration=iteration,
+            turn=turn,
+            policy_version=policy_version,
+            completion_token_ids=completion.token_ids,
+            completion_logprobs=completion.logprobs,
+            finish_reason=completion.finish_reason,
+            thinking=thinking,
+            content=content,
+        )
+    return dataset_from_rows(rows, GENERATE_ROLLOUTS)

@@ -1,0 +1,53 @@
+"""The command line: one-line errors before any work, and the store commands."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.cli import main
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--task", "chess"], "unknown task 'chess'; valid: calculator"),
+        (["--advantage", "ppo2"], "unknown advantage estimator 'ppo2'; valid: grpo"),
+        (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such directory"),
+        (["--rollouts", "10", "--group-size", "4"], "rollouts (10) must be a multiple of group_size (4)"),
+        (["--set", "ppo.learning_rate=-1"], "ppo.learning_rate: Input should be greater than 0"),
+        (["--set", "ppo.nonsense=1"], "unknown config field 'ppo.nonsense'"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_choices_and_writes_nothing(tmp_path, capsys, flags, message):
+    runs = tmp_path / "runs"
+    assert main(["run", "--runs-dir", str(runs), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not runs.exists() or not any(p.name != ".prefect" for p in runs.iterdir())
+
+
+def test_a_model_directory_without_a_tokenizer_is_refused(tmp_path, capsys):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    assert main(["run", "--runs-dir", str(tmp_path / "runs"), "--model", str(tmp_path / "model")]) == 2
+    assert "no tokenizer files" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_run_then_ls_show_lineage(tmp_path, capsys):
+    runs = str(tmp_path / "runs")
+    flags = ["--iterations", "1", "--rollouts", "4", "--group-size", "2", "--max-turns", "2"]
+    assert main(["run", "--runs-dir", runs, *flags, "--set", "generation.max_new_tokens=48"]) == 0
+    out = capsys.readouterr().out
+    assert "datasets.load_from_disk(" in out and "compute-advantages" in out
+    assert main(["ls", "--runs-dir", runs]) == 0
+    listing = capsys.readouterr().out
+    advantages = next(line.split()[1] for line in listing.splitlines() if line.startswith("compute-advantages"))
+    assert main(["show", f"compute-advantages/{advantages[:6]}", "--runs-dir", runs]) == 0
+    shown = capsys.readouterr().out
+    assert '"estimator": "grpo"' in shown and "verified" in shown
+    assert main(["lineage", f"compute-advantages/{advantages}", "--runs-dir", runs]) == 0
+    chain = capsys.readouterr().out.splitlines()
+    assert chain[0].startswith("compute-advantages/") and chain[-1].startswith("policy/")
+    assert sum(line.startswith("generate-rollouts/") for line in chain) >= 1
+    assert main(["show", "compute-advantages/zzzz", "--runs-dir", runs]) == 2

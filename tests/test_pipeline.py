@@ -1,0 +1,143 @@
+"""Real Prefect flow runs over a real store: versions, caching, partial re-runs, data checks."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pipeline.store import STAGES, Store
+from schemas.token_stream import generation_prompt_ids, observation_token_ids, prompt_token_ids
+from stages.assign_rewards import ENVIRONMENTS
+from stages.execute_tools import TOOLS, tool_schema
+
+pytestmark = pytest.mark.usefixtures("prefect_server")
+
+
+def folders(store: Store) -> set[str]:
+    return {f"{m['stage']}/{m['version']}" for m in store.versions()}
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    from pipeline.flows import rl_training
+    from schemas.config import RunConfig
+
+    config = RunConfig(
+        iterations=1,
+        task={"rollouts": 8, "group_size": 4, "max_turns": 3},
+        generation={"max_new_tokens": 64},
+        ppo={"minibatch_rollouts": 4},
+        store={"runs_dir": tmp_path_factory.mktemp("runs")},
+    )
+    results = rl_training(config)
+    return config, results, Store(config.store.runs_dir)
+
+
+def test_every_stage_writes_a_versioned_dataset_with_a_manifest(first_run):
+    config, results, store = first_run
+    (result,) = results
+    assert {m["stage"] for m in store.versions()} == set(STAGES)
+    for manifest in store.versions():
+        assert {"stage", "version", "parents", "config", "created_at", "files"} <= set(manifest)
+        assert store.verify(manifest["stage"], manifest["version"]) == []
+        if manifest["stage"] != "policy":
+            assert {"rows", "tokens", "wall_s"} <= set(manifest)
+            loaded = datasets.load_from_disk(str(store.path(manifest["stage"], manifest["version"])))
+            assert len(loaded) == manifest["rows"]
+    rewarded = store.load("assign-rewards", result["versions"]["assign-rewards"])
+    assert set(rewarded["rollout_id"]) == set(range(8)) and len(rewarded) >= 8
+    assert store.manifest("compute-advantages", result["versions"]["compute-advantages"])["parents"] == {
+        "assign-rewards": result["versions"]["assign-rewards"]
+    }
+    trained = AutoModelForCausalLM.from_pretrained(store.policy_dir(result["next_policy"]))
+    assert trained.config.model_type == "qwen3"
+
+
+def test_token_streams_reproduce_what_the_model_saw(first_run, tiny):
+    """Concatenating context + completion + observation per turn gives the model's context:
+    turn 0 starts with the rendered prompt, later turns with the template's deltas, and the
+    stored logprobs equal a fresh fp32 forward pass of the stored policy over that stream."""
+    config, (result,), store = first_run
+    _, tokenizer = tiny
+    model = AutoModelForCausalLM.from_pretrained(store.policy_dir(result["policy"]), dtype=torch.float32)
+    rows = sorted(
+        store.load("compute-advantages", result["versions"]["compute-advantages"]),
+        key=lambda r: (r["rollout_id"], r["turn"]),
+    )
+    tools = [tool_schema(TOOLS[name]) for name in ENVIRONMENTS["calculator"].tools]
+    streams: dict[int, list[int]] = {}
+    scored: dict[int, list[tuple[int, float]]] = {}
+    for row in rows:
+        stream = streams.setdefault(row["rollout_id"], [])
+        if row["turn"] == 0:
+            task = json.loads(row["task_payload"])
+            assert row["context_token_ids"] == prompt_token_ids(
+                tokenizer, ENVIRONMENTS["calculator"].reset(task), tools, config.generation.enable_thinking
+            )
+        else:
+            assert row["context_token_ids"] == generation_prompt_ids(tokenizer, config.generation.enable_thinking)
+        assert row["stream_offset"] == len(stream)
+        stream += row["context_token_ids"]
+        assert len(row["completion_logprobs"]) == len(row["completion_token_ids"]) == len(row["advantages"])
+        scored.setdefault(row["rollout_id"], []).extend(
+            (len(stream) + i, lp) for i, lp in enumerate(row["completion_logprobs"])
+        )
+        stream += row["completion_token_ids"]
+        if row["observation_token_ids"]:
+            results = [{"role": "tool", "content": call["result"]} for call in row["tool_calls"]]
+            assert row["observation_token_ids"] == observation_token_ids(tokenizer, results)
+        stream += row["observation_token_ids"]
+    worst = 0.0
+    with torch.no_grad():
+        for rollout_id, stream in streams.items():
+            logprobs = torch.log_softmax(model(torch.tensor([stream])).logits[0].float(), -1)
+            for position, stored in scored[rollout_id]:
+                worst = max(worst, abs(logprobs[position - 1, stream[position]].item() - stored))
+    print(f"stored vs fresh logprob max abs difference: {worst:.3g}")
+    assert worst < 1e-4
+
+
+def test_same_command_again_is_all_cache_hits(first_run):
+    from pipeline.flows import rl_training
+
+    config, (result,), store = first_run
+    before = folders(store)
+    (again,) = rl_training(config)
+    assert again["versions"] == result["versions"] and again["next_policy"] == result["next_policy"]
+    assert folders(store) == before
+
+
+def test_changing_only_the_estimator_reuses_the_rollouts(first_run):
+    from pipeline.flows import rl_training
+
+    config, (result,), store = first_run
+    before = folders(store)
+    (rloo,) = rl_training(config.with_overrides({"advantage.estimator": "rloo"}))
+    for stage in ("execute-tools", "assign-rewards"):
+        assert rloo["versions"][stage] == result["versions"][stage]
+    for stage in ("compute-advantages", "ppo-update"):
+        assert rloo["versions"][stage] != result["versions"][stage]
+    assert rloo["next_policy"] != result["next_policy"]
+    assert folders(store) - before == {
+        f"compute-advantages/{rloo['versions']['compute-advantages']}",
+        f"ppo-update/{rloo['versions']['ppo-update']}",
+        f"policy/{rloo['next_policy']}",
+    }
+    assert before <= folders(store)  # nothing overwritten or removed
+
+
+def test_a_deleted_version_is_recomputed_not_served_from_prefects_cache(first_run):
+    import shutil
+
+    from pipeline.flows import rl_training
+
+    config, (result,), store = first_run
+    version = result["versions"]["compute-advantages"]
+    shutil.rmtree(store.path("compute-advantages", version))
+    (again,) = rl_training(config)
+    assert again["versions"]["compute-advantages"] == version
+    assert store.exists("compute-advantages", version) and store.verify("compute-advantages", version) == []

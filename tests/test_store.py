@@ -1,0 +1,115 @@
+"""The versioned store: content-addressed versions, atomic writes, no overwrites, digests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import datasets
+import pytest
+
+from pipeline.store import Store, StoreError, version_key
+from schemas.config import RunConfig
+
+
+def write_toy(store: Store, stage: str, version: str, values: list[int], manifest: dict | None = None) -> dict:
+    """A version holding a toy dataset (the stage schemas are tested elsewhere)."""
+
+    def fill(folder):
+        datasets.Dataset.from_dict({"x": values}).save_to_disk(str(folder))
+        return {"rows": len(values)}
+
+    return store.write(stage, version, fill, manifest or {"parents": {}})
+
+
+def test_version_is_a_content_hash_of_stage_code_config_and_parents():
+    base = version_key("compute-advantages", "c1", {"a": 1}, {"assign-rewards": "v1"})
+    assert base == version_key("compute-advantages", "c1", {"a": 1}, {"assign-rewards": "v1"})
+    assert base != version_key("compute-advantages", "c2", {"a": 1}, {"assign-rewards": "v1"})
+    assert base != version_key("compute-advantages", "c1", {"a": 2}, {"assign-rewards": "v1"})
+    assert base != version_key("compute-advantages", "c1", {"a": 1}, {"assign-rewards": "v2"})
+    assert base != version_key("ppo-update", "c1", {"a": 1}, {"assign-rewards": "v1"})
+
+
+def test_config_types_are_normalised_before_hashing():
+    # {"lr": 1} and {"lr": 1.0} would hash differently; pydantic normalises them.
+    one = RunConfig().with_overrides({"ppo.learning_rate": 1})
+    one_float = RunConfig().with_overrides({"ppo.learning_rate": 1.0})
+    assert version_key("s", "c", one.section("ppo"), {}) == version_key("s", "c", one_float.section("ppo"), {})
+
+
+def test_a_dataset_must_match_its_stage_schema(tmp_path):
+    with pytest.raises(StoreError, match="features differ"):
+        Store(tmp_path).write_dataset("assign-rewards", "v1", datasets.Dataset.from_dict({"x": [1]}), {})
+    assert not (tmp_path / "assign-rewards" / "v1").exists()
+
+
+def test_write_is_atomic_and_never_overwrites(tmp_path):
+    store = Store(tmp_path)
+    first = write_toy(store, "assign-rewards", "v1", [1, 2], {"parents": {}})
+    assert store.exists("assign-rewards", "v1")
+    assert store.load("assign-rewards", "v1")["x"] == [1, 2]
+    again = write_toy(store, "assign-rewards", "v1", [9, 9, 9], {"parents": {}})
+    assert again["created_at"] == first["created_at"]  # untouched
+    assert store.load("assign-rewards", "v1")["x"] == [1, 2]
+    assert [p.name for p in (tmp_path / "assign-rewards").iterdir()] == ["v1"]
+
+
+def test_a_failing_write_leaves_nothing(tmp_path):
+    store = Store(tmp_path)
+
+    def fill(folder):
+        (folder / "half-written.arrow").write_bytes(b"x" * 100)
+        raise RuntimeError("crash in the middle of a stage")
+
+    with pytest.raises(RuntimeError):
+        store.write("execute-tools", "v1", fill, {"parents": {}})
+    assert not store.exists("execute-tools", "v1")
+    assert list((tmp_path / "execute-tools").iterdir()) == []
+
+
+def test_a_killed_writer_leaves_only_a_hidden_temporary_folder_that_is_cleaned(tmp_path):
+    script = (
+        "import os, sys; from pipeline.store import Store\n"
+        "def fill(folder):\n"
+        "    (folder / 'data.arrow').write_bytes(b'x')\n"
+        "    os.kill(os.getpid(), 9)\n"
+        f"Store({str(tmp_path)!r}).write('generate-rollouts', 'v1', fill, {{'parents': {{}}}})\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], env=os.environ.copy())
+    assert result.returncode == -9
+    store = Store(tmp_path)
+    leftovers = list((tmp_path / "generate-rollouts").iterdir())
+    assert len(leftovers) == 1 and leftovers[0].name.startswith(".")
+    assert not store.exists("generate-rollouts", "v1") and store.versions() == []
+    assert store.clean_stale_tmp() == leftovers
+    assert list((tmp_path / "generate-rollouts").iterdir()) == []
+
+
+def test_manifest_records_lineage_and_digests_detect_edits(tmp_path):
+    store = Store(tmp_path)
+    write_toy(store, "assign-rewards", "a1", [1], {"parents": {}, "config": {"k": 1}})
+    write_toy(store, "compute-advantages", "b1", [2], {"parents": {"assign-rewards": "a1"}})
+    manifest = store.manifest("compute-advantages", "b1")
+    assert {"stage", "version", "parents", "created_at", "rows", "files", "library_versions"} <= set(manifest)
+    assert [m["version"] for m in store.lineage("compute-advantages", "b1")] == ["b1", "a1"]
+    assert store.verify("compute-advantages", "b1") == []
+    shard = next(p for p in store.path("compute-advantages", "b1").glob("*.arrow"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, which load_from_disk would not notice
+    shard.write_bytes(bytes(data))
+    assert any("differs from its digest" in problem for problem in store.verify("compute-advantages", "b1"))
+
+
+def test_resolve_accepts_unique_prefixes_and_names_problems(tmp_path):
+    store = Store(tmp_path)
+    write_toy(store, "assign-rewards", "abc123", [1], {"parents": {}})
+    write_toy(store, "assign-rewards", "abd456", [1], {"parents": {}})
+    assert store.resolve("assign-rewards/abc") == ("assign-rewards", "abc123")
+    with pytest.raises(StoreError, match="2 versions"):
+        store.resolve("assign-rewards/ab")
+    with pytest.raises(StoreError, match="unknown stage|not STAGE/VERSION"):
+        store.resolve("rewards/abc")
+    assert json.loads((store.path("assign-rewards", "abc123") / "manifest.json").read_text())["rows"] == 1
