@@ -20,6 +20,7 @@ from typing import Any
 
 import datasets
 import torch
+from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from schemas.config import GenerationConfig
@@ -150,6 +151,7 @@ class Engine:
 
         generators = [torch.Generator(device=self.device).manual_seed(r.seed) for r in requests]
         limits = [r.max_new_tokens for r in requests]
+        progress = tqdm(total=max(limits), desc="decode", unit="tok", leave=False, disable=None)
         sampled: list[list[int]] = [[] for _ in requests]
         logprobs: list[list[float]] = [[] for _ in requests]
         finish: list[str | None] = [None] * len(requests)
@@ -169,12 +171,14 @@ class Engine:
                     finish[i] = "stop"
                 elif len(sampled[i]) >= limits[i]:
                     finish[i] = "length"
+            progress.update()
             if all(f is not None for f in finish):
                 break
             # Feed the sampled tokens; rows that finished are masked out from here on.
             active = torch.tensor([[f is None] for f in finish], dtype=torch.long, device=self.device)
             logits = self._forward(next_tokens[:, None], active)
 
+        progress.close()
         # The last sampled token of each row is not in the cache yet; it is fed next turn.
         self._keys = [r.key for r in requests]
         self._cached_tokens = [r.token_ids + s[:-1] for r, s in zip(requests, sampled)]

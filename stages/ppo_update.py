@@ -10,13 +10,13 @@ the same convention as here: log_softmax(logits / temperature).
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import datasets
 import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
+from tqdm.auto import tqdm
 
 from schemas.config import PPOConfig
 
@@ -178,7 +178,6 @@ def ppo_update(
     temperature: float,
     pad_token_id: int,
     seed: int,
-    progress: Callable[[int, int], None] | None = None,
 ) -> list[dict[str, float]]:
     """Optimise `model` in place on one iteration's rollouts; return per-step metrics."""
     torch.manual_seed(seed)
@@ -188,6 +187,7 @@ def ppo_update(
     shuffle = random.Random(seed)
     n_steps = config.epochs * -(-len(sequences) // config.minibatch_rollouts)
     metrics: list[dict[str, float]] = []
+    progress = tqdm(total=n_steps, desc="ppo-update", unit="step", leave=False, disable=None)
     model.train()
     for epoch in range(config.epochs):
         order = list(range(len(sequences)))
@@ -216,8 +216,8 @@ def ppo_update(
                     **{name: value.item() for name, value in stats.items()},
                 }
             )
-            if progress is not None:
-                progress(len(metrics), n_steps)
+            progress.update()
+    progress.close()
     model.eval()
     return metrics
 
