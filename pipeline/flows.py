@@ -22,6 +22,7 @@ from typing import Any
 
 import datasets
 import numpy as np
+import torch
 from prefect import flow, get_run_logger, task
 
 from pipeline.episodes import rollout_metrics, rollout_starts
@@ -69,7 +70,12 @@ def stage_config(config: RunConfig, stage: str, **position: int) -> dict[str, An
     if stage == "assign-rewards":
         return config.section("reward")
     if stage == "compute-advantages":
-        return config.section("advantage")
+        return {
+            **config.section("advantage"),
+            "kl": {k: getattr(config.ppo, k) for k in ("kl_coef", "kl_estimator", "kl_in")},
+            "temperature": config.generation.temperature,
+            "device": pick_device(config.model.device).type,
+        }
     if stage == "ppo-update":
         return {
             **config.section("ppo"),
@@ -169,12 +175,17 @@ def stage_task(stage: str) -> Callable[[Callable[..., str]], Any]:
     )
 
 
-def run_stage(prefect_task: Any, config: RunConfig, stage: str, version: str, **inputs: Any) -> str:
+def run_stage(
+    prefect_task: Any, config: RunConfig, parents: dict[str, str], position: dict[str, int] | None = None, **inputs: Any
+) -> str:
+    """Run a stage task on these inputs; its version is known before it runs."""
+    stage = prefect_task.name
+    version = stage_version(config, stage, parents, **(position or {}))
     store = Store(config.store.runs_dir)
     return prefect_task.with_options(
         refresh_cache=not store.exists(stage, version),
         result_storage=store.root / ".prefect" / "results",
-    )(config=config, version=version, **inputs)
+    )(config=config, version=version, parents=parents, **(position or {}), **inputs)
 
 
 def rounds_of(store: Store, tools_version: str) -> list[str]:
@@ -193,11 +204,9 @@ def load_rounds(store: Store, tools_version: str) -> datasets.Dataset:
 
 
 @stage_task("generate-rollouts")
-def generate_rollouts_task(
-    config: RunConfig, version: str, policy_version: str, iteration: int, turn: int, previous: str | None
-) -> str:
+def generate_rollouts_task(config: RunConfig, version: str, parents: dict[str, str], iteration: int, turn: int) -> str:
     store = Store(config.store.runs_dir)
-    parents = {POLICY: policy_version, **({"execute-tools": previous} if previous else {})}
+    policy_version, previous = parents[POLICY], parents.get("execute-tools")
 
     def compute() -> tuple[datasets.Dataset, dict[str, Any]]:
         _, tokenizer, engine = policy_runtime(store, config, policy_version)
@@ -224,12 +233,13 @@ def generate_rollouts_task(
 
 
 @stage_task("execute-tools")
-def execute_tools_task(config: RunConfig, version: str, generated: str, policy_version: str) -> str:
+def execute_tools_task(config: RunConfig, version: str, parents: dict[str, str]) -> str:
     store = Store(config.store.runs_dir)
 
     def compute() -> tuple[datasets.Dataset, dict[str, Any]]:
+        turns = store.load("generate-rollouts", parents["generate-rollouts"])
+        policy_version = store.manifest("generate-rollouts", parents["generate-rollouts"])["parents"][POLICY]
         _, tokenizer, _ = policy_runtime(store, config, policy_version)
-        turns = store.load("generate-rollouts", generated)
         dataset = execute_tools.execute_tools(
             turns,
             tokenizer,
@@ -249,28 +259,77 @@ def execute_tools_task(config: RunConfig, version: str, generated: str, policy_v
         }
         return dataset, {"turn": turns[0]["turn"] if len(turns) else None, **summary}
 
-    return write_stage(config, "execute-tools", version, {"generate-rollouts": generated}, compute)
+    return write_stage(config, "execute-tools", version, parents, compute)
 
 
 @stage_task("assign-rewards")
-def assign_rewards_task(config: RunConfig, version: str, last_round: str) -> str:
+def assign_rewards_task(config: RunConfig, version: str, parents: dict[str, str]) -> str:
     store = Store(config.store.runs_dir)
 
     def compute() -> tuple[datasets.Dataset, dict[str, Any]]:
-        dataset = assign_rewards.assign_rewards(
-            load_rounds(store, last_round), assign_rewards.ENVIRONMENTS, config.reward
-        )
+        turns = load_rounds(store, parents["execute-tools"])
+        dataset = assign_rewards.assign_rewards(turns, assign_rewards.ENVIRONMENTS, config.reward)
         return dataset, {"metrics": rollout_metrics(dataset), "environment_code": ENVIRONMENT_CODE}
 
-    return write_stage(config, "assign-rewards", version, {"execute-tools": last_round}, compute)
+    return write_stage(config, "assign-rewards", version, parents, compute)
+
+
+def reference_policy(store: Store, policy_version: str) -> str:
+    """The starting policy of a lineage (iteration -1): the KL reference."""
+    version = policy_version
+    while parents := store.manifest(POLICY, version)["parents"]:
+        version = store.manifest("ppo-update", parents["ppo-update"])["parents"][POLICY]
+    return version
+
+
+def advantage_parents(config: RunConfig, rewarded: str, policy_version: str, reference: str) -> dict[str, str]:
+    """compute-advantages reads the policy (critic values) and the reference (KL) only if used."""
+    parents = {"assign-rewards": rewarded}
+    if config.advantage.estimator in compute_advantages.NEEDS_VALUES:
+        parents[POLICY] = policy_version
+    if config.ppo.kl_coef > 0:
+        parents[f"{POLICY}#reference"] = reference
+    return parents
+
+
+def _scoring_model(store: Store, config: RunConfig, policy_version: str) -> tuple[Any, Any]:
+    model_dir = store.policy_dir(policy_version)
+    return load_model(model_dir, "float32", config.model.device), load_tokenizer(str(model_dir))
 
 
 @stage_task("compute-advantages")
-def compute_advantages_task(config: RunConfig, version: str, rewarded: str) -> str:
+def compute_advantages_task(config: RunConfig, version: str, parents: dict[str, str]) -> str:
     store = Store(config.store.runs_dir)
 
     def compute() -> tuple[datasets.Dataset, dict[str, Any]]:
-        dataset = compute_advantages.compute_advantages(store.load("assign-rewards", rewarded), config.advantage)
+        turns = store.load("assign-rewards", parents["assign-rewards"])
+        score = functools.partial(
+            ppo_update.score_rollouts,
+            temperature=config.generation.temperature,
+            chunk_tokens=config.ppo.logprob_chunk_tokens,
+            batch_rollouts=config.ppo.micro_batch_rollouts,
+        )
+        values = ref_logprobs = kl_penalty = None
+        if POLICY in parents:  # the critic's values
+            model, tokenizer = _scoring_model(store, config, parents[POLICY])
+            head = ppo_update.ValueHead.load(store.policy_dir(parents[POLICY]), model.config.hidden_size)
+            _, values = score(model, turns, pad_token_id=tokenizer.pad_token_id, value_head=head)
+        if f"{POLICY}#reference" in parents:
+            model, tokenizer = _scoring_model(store, config, parents[f"{POLICY}#reference"])
+            ref_logprobs, _ = score(model, turns, pad_token_id=tokenizer.pad_token_id)
+            if config.ppo.kl_in == "reward":
+                kl_penalty = [
+                    (
+                        config.ppo.kl_coef
+                        * ppo_update.kl_estimate(
+                            torch.tensor(generated), torch.tensor(reference), config.ppo.kl_estimator
+                        )
+                    ).tolist()
+                    for generated, reference in zip(turns["completion_logprobs"], ref_logprobs)
+                ]
+        dataset = compute_advantages.compute_advantages(
+            turns, config.advantage, values=values, kl_penalty=kl_penalty, ref_logprobs=ref_logprobs
+        )
         per_token = np.concatenate([np.asarray(a, dtype=np.float32) for a in dataset["advantages"]] or [np.zeros(0)])
         summary = {
             "advantage_mean": float(per_token.mean()) if per_token.size else 0.0,
@@ -278,18 +337,27 @@ def compute_advantages_task(config: RunConfig, version: str, rewarded: str) -> s
         }
         return dataset, {"metrics": summary}
 
-    return write_stage(config, "compute-advantages", version, {"assign-rewards": rewarded}, compute)
+    return write_stage(config, "compute-advantages", version, parents, compute)
 
 
 @stage_task("ppo-update")
-def ppo_update_task(config: RunConfig, version: str, advantaged: str, policy_version: str, iteration: int) -> str:
+def ppo_update_task(config: RunConfig, version: str, parents: dict[str, str], iteration: int) -> str:
     """Train the policy on the iteration's rollouts; write the next policy, then the metrics."""
     store = Store(config.store.runs_dir)
+    advantaged, policy_version = parents["compute-advantages"], parents[POLICY]
     next_policy = version_key(POLICY, CODE_VERSIONS[POLICY], {}, {"ppo-update": version})
 
     def compute() -> tuple[datasets.Dataset, dict[str, Any]]:
-        tokenizer = load_tokenizer(str(store.policy_dir(policy_version)))
-        model = load_model(store.policy_dir(policy_version), "float32", config.model.device)
+        model, tokenizer = _scoring_model(store, config, policy_version)
+        value_head = None
+        if config.advantage.estimator in compute_advantages.NEEDS_VALUES:
+            value_head = ppo_update.ValueHead.load(store.policy_dir(policy_version), model.config.hidden_size)
+            value_head.to(model.device)
+        if config.ppo.lora_rank > 0:
+            from peft import LoraConfig, get_peft_model
+
+            lora = LoraConfig(r=config.ppo.lora_rank, lora_alpha=config.ppo.lora_alpha, target_modules="all-linear")
+            model = get_peft_model(model, lora)
         metrics = ppo_update.ppo_update(
             model,
             store.load("compute-advantages", advantaged),
@@ -297,11 +365,16 @@ def ppo_update_task(config: RunConfig, version: str, advantaged: str, policy_ver
             temperature=config.generation.temperature,
             pad_token_id=tokenizer.pad_token_id,
             seed=config.seed + iteration,
+            value_head=value_head,
         )
+        if config.ppo.lora_rank > 0:
+            model = model.merge_and_unload()  # the next policy is a plain checkpoint
 
         def save(tmp: Path) -> dict[str, Any]:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+            if value_head is not None:
+                value_head.save(tmp)
             return {}
 
         store.write(
@@ -318,7 +391,7 @@ def ppo_update_task(config: RunConfig, version: str, advantaged: str, policy_ver
         dataset = dataset_from_rows(metrics, PPO_UPDATE)
         return dataset, {"metrics": ppo_update.metrics_summary(metrics), "policy": next_policy, "iteration": iteration}
 
-    write_stage(config, "ppo-update", version, {"compute-advantages": advantaged, POLICY: policy_version}, compute)
+    write_stage(config, "ppo-update", version, parents, compute)
     return next_policy
 
 
@@ -338,52 +411,24 @@ def rl_iteration(config: RunConfig, iteration: int | None = None, policy_version
     if iteration is None:
         iteration = store.manifest(POLICY, policy_version).get("iteration", -1) + 1
 
-    previous: str | None = None
+    previous: str | None = None  # the execute-tools version of the last turn
     for turn in range(config.task.max_turns):
-        parents = {POLICY: policy_version, **({"execute-tools": previous} if previous else {})}
         generated = run_stage(
             generate_rollouts_task,
             config,
-            "generate-rollouts",
-            stage_version(config, "generate-rollouts", parents, iteration=iteration, turn=turn),
-            policy_version=policy_version,
-            iteration=iteration,
-            turn=turn,
-            previous=previous,
+            {POLICY: policy_version, **({"execute-tools": previous} if previous else {})},
+            position={"iteration": iteration, "turn": turn},
         )
-        previous = run_stage(
-            execute_tools_task,
-            config,
-            "execute-tools",
-            stage_version(config, "execute-tools", {"generate-rollouts": generated}),
-            generated=generated,
-            policy_version=policy_version,
-        )
+        previous = run_stage(execute_tools_task, config, {"generate-rollouts": generated})
         if store.manifest("execute-tools", previous)["active"] == 0:
             break
-
-    rewarded = run_stage(
-        assign_rewards_task,
-        config,
-        "assign-rewards",
-        stage_version(config, "assign-rewards", {"execute-tools": previous}),
-        last_round=previous,
-    )
+    rewarded = run_stage(assign_rewards_task, config, {"execute-tools": previous})
+    reference = reference_policy(store, policy_version)
     advantaged = run_stage(
-        compute_advantages_task,
-        config,
-        "compute-advantages",
-        stage_version(config, "compute-advantages", {"assign-rewards": rewarded}),
-        rewarded=rewarded,
+        compute_advantages_task, config, advantage_parents(config, rewarded, policy_version, reference)
     )
     next_policy = run_stage(
-        ppo_update_task,
-        config,
-        "ppo-update",
-        stage_version(config, "ppo-update", {"compute-advantages": advantaged, POLICY: policy_version}),
-        advantaged=advantaged,
-        policy_version=policy_version,
-        iteration=iteration,
+        ppo_update_task, config, {"compute-advantages": advantaged, POLICY: policy_version}, iteration=iteration
     )
     metrics = store.manifest("assign-rewards", rewarded)["metrics"]
     logger.info(

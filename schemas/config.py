@@ -65,9 +65,12 @@ class RewardConfig(Section):
 
 
 class AdvantageConfig(Section):
-    estimator: str = Field("grpo", description="Advantage estimator; see `mtrl run --help` for the choices.")
+    estimator: str = Field("grpo", description="grpo | rloo | reinforce++ | reinforce++-baseline | gae")
     normalize_by_std: bool = Field(True, description="GRPO: divide by the group std (False = Dr. GRPO).")
-    epsilon: float = Field(1e-6, gt=0.0, description="Added to the std before dividing.")
+    epsilon: float = Field(1e-6, gt=0.0, description="Added to a std before dividing by it.")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount per assistant token (gae, reinforce++).")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda.")
+    whiten_gae: bool = Field(True, description="GAE: whiten advantages over the batch.")
 
 
 class PPOConfig(Section):
@@ -75,12 +78,27 @@ class PPOConfig(Section):
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     epochs: int = Field(1, ge=1, le=100, description="Passes over the iteration's rollouts.")
     minibatch_rollouts: int = Field(16, ge=1, description="Rollouts per optimiser step.")
+    micro_batch_rollouts: int = Field(16, ge=1, description="Rollouts per forward/backward (gradient accumulation).")
     clip_low: float = Field(0.2, ge=0.0, le=1.0, description="Ratio clip below 1 (epsilon_low).")
     clip_high: float = Field(0.28, ge=0.0, le=10.0, description="Ratio clip above 1 (epsilon_high, clip-higher).")
-    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping by global norm.")
-    logprob_chunk_tokens: int = Field(
-        1024, ge=1, description="Tokens per chunk of the log-softmax over the vocabulary."
+    clip_ratio_c: float | None = Field(3.0, gt=1.0, description="Dual clip for negative advantages (null = off).")
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How per-token losses become one number."
     )
+    loss_norm_tokens: int = Field(256, ge=1, description="seq-mean-token-sum-norm: the constant token normaliser.")
+    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient.")
+    kl_coef: float = Field(0.0, ge=0.0, description="KL to the reference (iteration-0) policy; 0 = off.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator.")
+    kl_in: Literal["loss", "reward"] = Field("loss", description="Put the KL penalty in the loss or the reward.")
+    value_coef: float = Field(0.5, ge=0.0, description="Value-loss coefficient (critic estimators such as gae).")
+    value_clip: float | None = Field(0.2, gt=0.0, description="Clip range of the value loss (null = off).")
+    recompute_old_logprobs: bool = Field(True, description="Old logprobs from a training forward pass (enables TIS).")
+    tis_cap: float = Field(2.0, ge=1.0, description="Truncated importance sampling cap on pi_old / pi_generation.")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping by global norm.")
+    logprob_chunk_tokens: int = Field(1024, ge=1, description="Tokens per chunk of the vocabulary projection.")
+    autocast: Literal["auto", "bf16", "off"] = Field("auto", description="bf16 autocast; auto = on CUDA only.")
+    lora_rank: int = Field(0, ge=0, le=1024, description="Train LoRA adapters of this rank (0 = full fine-tune).")
+    lora_alpha: float = Field(16.0, gt=0.0, description="LoRA alpha.")
 
 
 class StoreConfig(Section):

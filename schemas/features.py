@@ -68,23 +68,31 @@ COMPUTE_ADVANTAGES = Features(
         **ASSIGN_REWARDS,
         "advantages": FLOATS,  # one per completion token
         "returns": FLOATS,  # one per completion token
+        "values": FLOATS,  # critic values per completion token (empty without a critic)
+        "ref_logprobs": FLOATS,  # reference-policy logprobs (empty without a KL penalty)
     }
 )
 
-PPO_UPDATE = Features(
+PPO_UPDATE = Features(  # one row per optimiser step; null where a term is off
     {
         "epoch": Value("int32"),
         "step": Value("int32"),
         "rollouts": Value("int32"),
         "tokens": Value("int32"),
         "learning_rate": Value("float32"),
+        "loss": Value("float32"),
         "policy_loss": Value("float32"),
+        "value_loss": Value("float32"),
+        "kl": Value("float32"),
+        "entropy": Value("float32"),
         "clip_fraction": Value("float32"),
         "approx_kl": Value("float32"),
-        "entropy": Value("float32"),
         "grad_norm": Value("float32"),
         "ratio_mean": Value("float32"),
         "ratio_max": Value("float32"),
+        "is_weight_mean": Value("float32"),
+        "is_weight_max": Value("float32"),
+        "logprob_mismatch": Value("float32"),
     }
 )
 

@@ -1,18 +1,27 @@
-"""compute-advantages: turn final rewards into per-token advantages, behind one registry.
+"""compute-advantages: rewards -> per-token advantages and returns, behind one registry.
 
-An outcome estimator is a small pure function
+The time axis of a rollout is its *assistant tokens only*, concatenated over turns: tool and
+observation tokens are not time steps (the agent did not choose them), so estimators step
+over them. Rewards live on that axis:
 
-    estimator(rewards, group_ids, config) -> advantages     (one float per rollout)
+    token_rewards[t] = per-turn reward at the last token of its turn
+                     + the final reward at the last token of the rollout
+                     - kl_coef * KL(t)          (only when the KL penalty is put in the reward)
 
-registered by name with @register. Failed rollouts (infrastructure failures, reward NaN)
-are removed *before* the estimator runs, so they never move their group's baseline, and
-they get advantage 0 on every token. The rollout's advantage is placed on every token it
-sampled, in every turn; observation tokens are not trained and carry nothing.
+An estimator is a small pure function registered by name:
+
+    @register("name", needs_values=False)
+    def name(batch: AdvantageInputs, config: AdvantageConfig) -> (advantages, returns)
+
+taking and returning one float array per rollout (aligned with its assistant tokens). Failed
+rollouts (infrastructure failures, reward NaN) are removed before any estimator runs, so they
+never move a baseline, and they get advantage 0.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import datasets
 import numpy as np
@@ -20,15 +29,31 @@ import numpy as np
 from schemas.config import AdvantageConfig
 from schemas.features import COMPUTE_ADVANTAGES
 
-Estimator = Callable[[np.ndarray, np.ndarray, AdvantageConfig], np.ndarray]
+
+@dataclass
+class AdvantageInputs:
+    token_rewards: list[np.ndarray]  # per rollout, one float per assistant token
+    group_ids: np.ndarray  # per rollout
+    values: list[np.ndarray] | None = None  # per rollout, V(s_t) per assistant token (critic)
+
+    @property
+    def scores(self) -> np.ndarray:
+        """Total reward of each rollout (outcome estimators use this scalar)."""
+        return np.array([r.sum() for r in self.token_rewards], dtype=np.float64)
+
+
+Estimator = Callable[[AdvantageInputs, AdvantageConfig], tuple[list[np.ndarray], list[np.ndarray]]]
 ESTIMATORS: dict[str, Estimator] = {}
+NEEDS_VALUES: set[str] = set()
 
 
-def register(name: str) -> Callable[[Estimator], Estimator]:
+def register(name: str, needs_values: bool = False) -> Callable[[Estimator], Estimator]:
     def add(fn: Estimator) -> Estimator:
         if name in ESTIMATORS:
             raise ValueError(f"advantage estimator '{name}' is already registered")
         ESTIMATORS[name] = fn
+        if needs_values:
+            NEEDS_VALUES.add(name)
         return fn
 
     return add
@@ -40,55 +65,181 @@ def get_estimator(name: str) -> Estimator:
     return ESTIMATORS[name]
 
 
-def _group_stats(rewards: np.ndarray, group_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per rollout: its group's size, sum of rewards, and unbiased std (0 for groups of 1)."""
-    groups, index, size = np.unique(group_ids, return_inverse=True, return_counts=True)
-    total = np.bincount(index, weights=rewards, minlength=len(groups))
+# ---------------------------------------------------------------------------------------
+# Helpers (pure numpy)
+# ---------------------------------------------------------------------------------------
+
+
+def group_stats(scores: np.ndarray, group_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per rollout: its group's size, sum of scores, and unbiased std (0 for groups of 1)."""
+    _, index, size = np.unique(group_ids, return_inverse=True, return_counts=True)
+    total = np.bincount(index, weights=scores)
     mean = total / size
-    squares = np.bincount(index, weights=(rewards - mean[index]) ** 2, minlength=len(groups))
+    squares = np.bincount(index, weights=(scores - mean[index]) ** 2)
     std = np.sqrt(squares / np.maximum(size - 1, 1))
     return size[index].astype(np.float64), total[index], std[index]
 
 
+def broadcast(per_rollout: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:
+    return [np.full(len(tokens), value, dtype=np.float64) for value, tokens in zip(per_rollout, like)]
+
+
+def whiten(arrays: list[np.ndarray], epsilon: float) -> list[np.ndarray]:
+    """(x - mean) / std over every token of the batch (std unbiased, as verl's masked_whiten)."""
+    flat = np.concatenate(arrays) if arrays else np.zeros(0)
+    if flat.size < 2:
+        return [a - flat.mean() if flat.size else a for a in arrays]
+    mean, std = flat.mean(), flat.std(ddof=1)
+    return [(a - mean) / (std + epsilon) for a in arrays]
+
+
+def discounted_returns(rewards: np.ndarray, gamma: float) -> np.ndarray:
+    """G_t = r_t + gamma * G_{t+1}, with G_T = 0."""
+    returns, running = np.zeros_like(rewards, dtype=np.float64), 0.0
+    for t in range(len(rewards) - 1, -1, -1):
+        running = rewards[t] + gamma * running
+        returns[t] = running
+    return returns
+
+
+# ---------------------------------------------------------------------------------------
+# Estimators
+# ---------------------------------------------------------------------------------------
+
+
 @register("grpo")
-def grpo(rewards: np.ndarray, group_ids: np.ndarray, config: AdvantageConfig) -> np.ndarray:
-    """GRPO: (r - group mean) / (group std + eps); without the std division it is Dr. GRPO.
-    A group of one has no baseline: its advantage is its reward (as in verl)."""
-    size, total, std = _group_stats(rewards, group_ids)
-    advantages = np.where(size > 1, rewards - total / size, rewards)
+def grpo(batch: AdvantageInputs, config: AdvantageConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """GRPO: (score - group mean) / (group std + eps); normalize_by_std=False is Dr. GRPO.
+    A group of one has no baseline: its advantage is its score (as in verl)."""
+    scores = batch.scores
+    size, total, std = group_stats(scores, batch.group_ids)
+    advantages = np.where(size > 1, scores - total / size, scores)
     if config.normalize_by_std:
         advantages = np.where(size > 1, advantages / (std + config.epsilon), advantages)
-    return advantages
+    per_token = broadcast(advantages, batch.token_rewards)
+    return per_token, per_token
 
 
 @register("rloo")
-def rloo(rewards: np.ndarray, group_ids: np.ndarray, config: AdvantageConfig) -> np.ndarray:
-    """RLOO: r minus the mean reward of the *other* samples of the group."""
-    size, total, _ = _group_stats(rewards, group_ids)
-    leave_one_out_mean = (total - rewards) / np.maximum(size - 1, 1)
-    return np.where(size > 1, rewards - leave_one_out_mean, rewards)
+def rloo(batch: AdvantageInputs, config: AdvantageConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """RLOO: score minus the mean score of the *other* samples of the group."""
+    scores = batch.scores
+    size, total, _ = group_stats(scores, batch.group_ids)
+    advantages = np.where(size > 1, scores - (total - scores) / np.maximum(size - 1, 1), scores)
+    per_token = broadcast(advantages, batch.token_rewards)
+    return per_token, per_token
 
 
-def compute_advantages(turns: datasets.Dataset, config: AdvantageConfig) -> datasets.Dataset:
-    """Add `advantages` and `returns` (one float32 per completion token) to every turn."""
+@register("reinforce++")
+def reinforce_plus_plus(batch: AdvantageInputs, config: AdvantageConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """REINFORCE++: discounted return of each token, whitened over the whole batch."""
+    returns = [discounted_returns(r, config.gamma) for r in batch.token_rewards]
+    return whiten(returns, config.epsilon), returns
+
+
+@register("reinforce++-baseline")
+def reinforce_plus_plus_baseline(
+    batch: AdvantageInputs, config: AdvantageConfig
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """REINFORCE++ with the group mean as baseline, then whitened over the whole batch."""
+    scores = batch.scores
+    size, total, _ = group_stats(scores, batch.group_ids)
+    centred = np.where(size > 1, scores - total / size, scores)
+    advantages = whiten(broadcast(centred, batch.token_rewards), config.epsilon)
+    return advantages, advantages
+
+
+@register("gae", needs_values=True)
+def gae(batch: AdvantageInputs, config: AdvantageConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Generalised advantage estimation over assistant tokens with the critic's values:
+    delta_t = r_t + gamma V_{t+1} - V_t (V after the last token = 0),
+    A_t = delta_t + gamma lam A_{t+1}, returns_t = A_t + V_t."""
+    assert batch.values is not None, "gae needs the critic's values"
+    advantages, returns = [], []
+    for rewards, values in zip(batch.token_rewards, batch.values):
+        adv = np.zeros(len(rewards), dtype=np.float64)
+        running, next_value = 0.0, 0.0
+        for t in range(len(rewards) - 1, -1, -1):
+            delta = rewards[t] + config.gamma * next_value - values[t]
+            running = delta + config.gamma * config.lam * running
+            adv[t], next_value = running, values[t]
+        advantages.append(adv)
+        returns.append(adv + values)
+    if config.whiten_gae:
+        advantages = whiten(advantages, config.epsilon)
+    return advantages, returns
+
+
+# ---------------------------------------------------------------------------------------
+# The stage
+# ---------------------------------------------------------------------------------------
+
+
+def compute_advantages(
+    turns: datasets.Dataset,
+    config: AdvantageConfig,
+    *,
+    values: list[list[float]] | None = None,
+    kl_penalty: list[list[float]] | None = None,
+    ref_logprobs: list[list[float]] | None = None,
+) -> datasets.Dataset:
+    """Add advantages, returns, values and ref_logprobs (one float32 per completion token).
+
+    `values` (critic values) and `kl_penalty` (kl_coef * KL per token, subtracted from the
+    rewards) are row-aligned with `turns`; the pipeline computes them with the policy and the
+    reference model before calling this pure function.
+    """
     estimator = get_estimator(config.estimator)
-    columns = turns.select_columns(["rollout_id", "group_id", "reward", "failed"]).to_dict()
-    rollouts: dict[int, tuple[int, float, bool]] = {}
-    for rollout_id, group_id, reward, failed in zip(*columns.values()):
-        previous = rollouts.get(rollout_id, (group_id, reward, False))
-        rollouts[rollout_id] = (group_id, reward, previous[2] or bool(failed) or not np.isfinite(reward))
-    ids = np.array(sorted(rollouts))
-    group_ids = np.array([rollouts[r][0] for r in ids])
-    rewards = np.array([rollouts[r][1] for r in ids], dtype=np.float64)
-    valid = ~np.array([rollouts[r][2] for r in ids])
-    per_rollout = np.zeros(len(ids), dtype=np.float64)
-    if valid.any():
-        per_rollout[valid] = estimator(rewards[valid], group_ids[valid], config)
-    advantage_of = dict(zip(ids.tolist(), per_rollout.tolist()))
-    return_of = dict(zip(ids.tolist(), np.where(valid, rewards, 0.0).tolist()))
+    columns = turns.select_columns(
+        ["rollout_id", "group_id", "turn", "reward", "turn_reward", "failed", "completion_token_ids"]
+    ).to_dict()
+    n_rows = len(columns["turn"])
+    lengths = [len(tokens) for tokens in columns["completion_token_ids"]]
+    by_rollout: dict[int, list[int]] = {}
+    for row in sorted(range(n_rows), key=lambda i: (columns["rollout_id"][i], columns["turn"][i])):
+        by_rollout.setdefault(columns["rollout_id"][row], []).append(row)
 
-    lengths = [len(tokens) for tokens in turns["completion_token_ids"]]
-    advantages = [[advantage_of[r]] * n for r, n in zip(columns["rollout_id"], lengths)]
-    returns = [[return_of[r]] * n for r, n in zip(columns["rollout_id"], lengths)]
-    turns = turns.add_column("advantages", advantages, feature=COMPUTE_ADVANTAGES["advantages"])
-    return turns.add_column("returns", returns, feature=COMPUTE_ADVANTAGES["returns"])
+    def failed(rows: list[int]) -> bool:
+        return any(columns["failed"][r] for r in rows) or not np.isfinite(columns["reward"][rows[-1]])
+
+    valid = [rid for rid, rows in by_rollout.items() if not failed(rows)]
+    token_rewards, rollout_values = [], []
+    for rollout_id in valid:
+        rows = by_rollout[rollout_id]
+        pieces = []
+        for position, row in enumerate(rows):
+            rewards = np.zeros(lengths[row], dtype=np.float64)
+            if lengths[row]:
+                rewards[-1] += columns["turn_reward"][row]
+                if position == len(rows) - 1:
+                    rewards[-1] += columns["reward"][row]
+            if kl_penalty is not None:
+                rewards -= np.asarray(kl_penalty[row], dtype=np.float64)
+            pieces.append(rewards)
+        token_rewards.append(np.concatenate(pieces))
+        if values is not None:
+            rollout_values.append(np.concatenate([np.asarray(values[row], dtype=np.float64) for row in rows]))
+    batch = AdvantageInputs(
+        token_rewards=token_rewards,
+        group_ids=np.array([columns["group_id"][by_rollout[r][0]] for r in valid]),
+        values=rollout_values if values is not None else None,
+    )
+    advantages, returns = estimator(batch, config) if valid else ([], [])
+
+    # Split each rollout's arrays back into its turns.
+    row_advantages: list[list[float]] = [[0.0] * n for n in lengths]
+    row_returns: list[list[float]] = [[0.0] * n for n in lengths]
+    for rollout_id, adv, ret in zip(valid, advantages, returns):
+        start = 0
+        for row in by_rollout[rollout_id]:
+            row_advantages[row] = adv[start : start + lengths[row]].tolist()
+            row_returns[row] = ret[start : start + lengths[row]].tolist()
+            start += lengths[row]
+    for name, column in (
+        ("advantages", row_advantages),
+        ("returns", row_returns),
+        ("values", values if values is not None else [[] for _ in lengths]),
+        ("ref_logprobs", ref_logprobs if ref_logprobs is not None else [[] for _ in lengths]),
+    ):
+        turns = turns.add_column(name, column, feature=COMPUTE_ADVANTAGES[name])
+    return turns

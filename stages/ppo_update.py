@@ -1,27 +1,35 @@
 """ppo-update: recompute logprobs under the current policy and optimise the clipped PPO
-objective on assistant tokens only; write one metrics row per optimiser step.
+objective on the tokens the policy sampled; write one metrics row per optimiser step.
 
-Each rollout is trained as one sequence: its full token stream, with the loss on the tokens
-the policy sampled (completion tokens) and nothing on prompts, observations or generation
-prompts. `old_logprobs` are the generation-time logprobs stored with the rollouts, under
-the same convention as here: log_softmax(logits / temperature).
+Read top to bottom:
+  1. pure functions: logprobs over a chunked vocabulary, the policy loss (clip-higher, dual
+     clip), KL estimators, the value loss, loss aggregation modes;
+  2. batching: one training sequence per rollout (its whole token stream; the loss covers
+     completion tokens only, never prompts, observations or generation prompts);
+  3. the optimisation loop: epochs x shuffled mini-batches x gradient-accumulated micro-batches.
+
+Convention: logprob = log_softmax(logits / temperature)[token], as at generation time.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import datasets
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
 from schemas.config import PPOConfig
 
 # ---------------------------------------------------------------------------------------
-# Pure functions: logprobs and the loss
+# 1. Pure functions
 # ---------------------------------------------------------------------------------------
 
 
@@ -31,24 +39,17 @@ def _chunk_logprobs_entropy(
     logits = lm_head(hidden).float() / temperature
     log_norm = torch.logsumexp(logits, dim=-1)
     logprobs = logits.gather(-1, targets[:, None])[:, 0] - log_norm
-    with torch.no_grad():  # entropy is a diagnostic; no gradient through it
-        probs = torch.softmax(logits, dim=-1)
-        entropy = log_norm - (probs * logits).sum(-1)
+    entropy = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     return logprobs, entropy
 
 
 def token_logprobs(
-    hidden: torch.Tensor,
-    lm_head: torch.nn.Module,
-    targets: torch.Tensor,
-    temperature: float,
-    chunk_tokens: int,
+    hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, temperature: float, chunk_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob and entropy of each target token from the hidden states that predict it.
 
     The vocabulary projection runs over chunks of tokens under activation checkpointing, so
-    a full [tokens, vocab] fp32 tensor never exists for the whole batch, in the forward or
-    the backward pass.
+    a full [tokens, vocab] fp32 tensor never exists for the whole batch, forward or backward.
     """
     logprobs, entropies = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
@@ -62,76 +63,129 @@ def token_logprobs(
     return torch.cat(logprobs), torch.cat(entropies)
 
 
-def clipped_policy_loss(
+def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     clip_low: float,
     clip_high: float,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's clipped surrogate averaged over tokens (token-mean), with separate low/high
-    clip ranges (clip-higher). Inputs are flat over the trained tokens."""
-    log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
+    clip_ratio_c: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate -A*ratio with the ratio clipped to [1-clip_low, 1+clip_high]
+    (clip-higher); dual clip bounds the loss of negative advantages by -A*clip_ratio_c.
+    Returns (loss per token, whether the clip was active per token)."""
+    ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    loss = torch.maximum(unclipped, clipped).mean()
-    with torch.no_grad():
-        stats = {
-            "clip_fraction": (clipped > unclipped).float().mean(),
-            "approx_kl": ((ratio - 1.0) - log_ratio).mean(),  # k3 estimator of KL(old || new)
-            "ratio_mean": ratio.mean(),
-            "ratio_max": ratio.max(),
-        }
-    return loss, stats
+    loss = torch.maximum(unclipped, clipped)
+    was_clipped = clipped > unclipped
+    if clip_ratio_c is not None:
+        dual = torch.minimum(loss, -advantages * clip_ratio_c)
+        was_clipped = was_clipped | ((advantages < 0) & (dual < loss))
+        loss = torch.where(advantages < 0, dual, loss)
+    return loss, was_clipped
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from the sampled tokens' logprobs:
+    k1 = log r, k2 = (log r)^2 / 2, k3 = (1/r - 1) + log r, with r = pi / pi_ref."""
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":  # low variance, always >= 0 (Schulman); clamped as in verl
+        return (torch.exp(-log_ratio) - 1.0 + log_ratio).clamp(max=10.0)
+    raise ValueError(f"unknown KL estimator '{estimator}'; valid: k1, k2, k3")
+
+
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None
+) -> torch.Tensor:
+    """Per-token 0.5 * (V - R)^2, optionally the max with the clipped version (PPO2 style)."""
+    loss = (values - returns) ** 2
+    if clip is not None:
+        clipped = old_values + torch.clamp(values - old_values, -clip, clip)
+        loss = torch.maximum(loss, (clipped - returns) ** 2)
+    return 0.5 * loss
+
+
+def aggregate(
+    per_token: torch.Tensor,
+    sequence_index: torch.Tensor,
+    mode: str,
+    minibatch_tokens: int,
+    minibatch_sequences: int,
+    norm_tokens: int,
+) -> torch.Tensor:
+    """This micro-batch's share of the mini-batch loss, so shares sum to the mini-batch value:
+    token-mean                sum over tokens / tokens in the mini-batch
+    seq-mean-token-mean       sum over sequences of (mean over its tokens) / sequences
+    seq-mean-token-sum-norm   sum over tokens / (sequences * norm_tokens)   (Dr. GRPO)"""
+    if mode == "token-mean":
+        return per_token.sum() / minibatch_tokens
+    if mode == "seq-mean-token-mean":
+        counts = torch.bincount(sequence_index).clamp(min=1).to(per_token.dtype)
+        sums = torch.zeros_like(counts).index_add(0, sequence_index, per_token)
+        return (sums / counts).sum() / minibatch_sequences
+    if mode == "seq-mean-token-sum-norm":
+        return per_token.sum() / (minibatch_sequences * norm_tokens)
+    raise ValueError(f"unknown loss aggregation '{mode}'")
 
 
 # ---------------------------------------------------------------------------------------
-# Batching rollouts into sequences
+# 2. Batching rollouts into sequences
 # ---------------------------------------------------------------------------------------
 
 
 @dataclass
 class Sequence:
-    token_ids: list[int]
-    target_positions: list[int]  # positions of the sampled tokens in token_ids
-    old_logprobs: list[float]
-    advantages: list[float]
+    rows: list[int] = field(default_factory=list)  # dataset rows of its turns, in turn order
+    token_ids: list[int] = field(default_factory=list)
+    target_positions: list[int] = field(default_factory=list)  # sampled tokens in token_ids
+    generation_logprobs: list[float] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)
+    returns: list[float] = field(default_factory=list)
+    old_values: list[float] = field(default_factory=list)
+    ref_logprobs: list[float] = field(default_factory=list)
+    old_logprobs: list[float] = field(default_factory=list)  # filled before training
 
 
-def rollout_sequences(turns: datasets.Dataset) -> list[Sequence]:
-    """One training sequence per rollout that did not fail, in rollout order."""
-    columns = turns.select_columns(
-        [
-            "rollout_id",
-            "turn",
-            "failed",
-            "context_token_ids",
-            "completion_token_ids",
-            "completion_logprobs",
-            "observation_token_ids",
-            "advantages",
-        ]
-    ).to_dict()
+OPTIONAL_COLUMNS = ("advantages", "returns", "values", "ref_logprobs")
+
+
+def rollout_sequences(turns: datasets.Dataset, include_failed: bool = False) -> list[Sequence]:
+    """One training sequence per rollout, in rollout order (failed rollouts left out)."""
+    names = ["rollout_id", "turn", "failed", "context_token_ids", "completion_token_ids", "completion_logprobs"]
+    columns = turns.select_columns(names + [c for c in OPTIONAL_COLUMNS if c in turns.column_names]).to_dict()
     order = sorted(range(len(columns["turn"])), key=lambda i: (columns["rollout_id"][i], columns["turn"][i]))
+    observation = turns.select_columns(["observation_token_ids"])["observation_token_ids"]
     sequences: dict[int, Sequence] = {}
     failed: set[int] = set()
     for i in order:
         rollout_id = columns["rollout_id"][i]
         if columns["failed"][i]:
             failed.add(rollout_id)
-        seq = sequences.setdefault(rollout_id, Sequence([], [], [], []))
+        seq = sequences.setdefault(rollout_id, Sequence())
+        seq.rows.append(i)
         seq.token_ids += columns["context_token_ids"][i]
         start = len(seq.token_ids)
         seq.token_ids += columns["completion_token_ids"][i]
         seq.target_positions += range(start, len(seq.token_ids))
-        seq.old_logprobs += columns["completion_logprobs"][i]
-        seq.advantages += columns["advantages"][i]
-        seq.token_ids += columns["observation_token_ids"][i]
-    return [seq for rollout_id, seq in sorted(sequences.items()) if rollout_id not in failed]
+        seq.generation_logprobs += columns["completion_logprobs"][i]
+        for name, target in (("advantages", seq.advantages), ("returns", seq.returns)):
+            if name in columns:
+                target += columns[name][i]
+        if columns.get("values") and columns["values"][i]:
+            seq.old_values += columns["values"][i]
+        if columns.get("ref_logprobs") and columns["ref_logprobs"][i]:
+            seq.ref_logprobs += columns["ref_logprobs"][i]
+        seq.token_ids += observation[i]
+    return [seq for rid, seq in sorted(sequences.items()) if include_failed or rid not in failed]
 
 
-def _collate(batch: list[Sequence], pad_token_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+def collate(batch: list[Sequence], pad_token_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Right-padded ids plus flat per-target-token tensors (and which sequence each is from)."""
     width = max(len(s.token_ids) for s in batch)
     input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
@@ -141,33 +195,115 @@ def _collate(batch: list[Sequence], pad_token_id: int, device: torch.device) -> 
         attention_mask[b, : len(seq.token_ids)] = 1
         rows += [b] * len(seq.target_positions)
         positions += seq.target_positions
-    rows_t, positions_t = torch.tensor(rows), torch.tensor(positions)
-    return {
+    rows_t, positions_t = torch.tensor(rows, dtype=torch.long), torch.tensor(positions, dtype=torch.long)
+
+    def flat(name: str) -> torch.Tensor:
+        return torch.tensor([x for s in batch for x in getattr(s, name)], dtype=torch.float32, device=device)
+
+    out = {
         "input_ids": input_ids.to(device),
         "attention_mask": attention_mask.to(device),
-        "rows": rows_t.to(device),
+        "sequence_index": rows_t.to(device),
         "positions": positions_t.to(device),
         "targets": input_ids[rows_t, positions_t].to(device),
-        "old_logprobs": torch.tensor([lp for s in batch for lp in s.old_logprobs], device=device),
-        "advantages": torch.tensor([a for s in batch for a in s.advantages], device=device),
     }
+    for name in ("generation_logprobs", "old_logprobs", "advantages", "returns", "old_values", "ref_logprobs"):
+        if all(len(getattr(s, name)) == len(s.target_positions) for s in batch):
+            out[name] = flat(name)
+    return out
 
 
-def policy_logprobs(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float, chunk_tokens: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprobs (with gradient) and entropies of the batch's target tokens under `model`."""
-    hidden = model.base_model(
+class ValueHead(torch.nn.Module):
+    """V(s_t) from the policy's last hidden state: one linear layer on the shared backbone."""
+
+    FILE = "value_head.safetensors"
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.zeros_(self.linear.weight)
+        torch.nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.linear(hidden.float())[..., 0]
+
+    @classmethod
+    def load(cls, policy_dir: str | Path, hidden_size: int) -> ValueHead:
+        """The value head saved beside a policy, or a zero-initialised one (V = 0)."""
+        head = cls(hidden_size)
+        path = Path(policy_dir) / cls.FILE
+        if path.is_file():
+            head.load_state_dict(load_file(path))
+        return head
+
+    def save(self, policy_dir: str | Path) -> None:
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, Path(policy_dir) / self.FILE)
+
+
+def forward_targets(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    temperature: float,
+    chunk_tokens: int,
+    value_head: ValueHead | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Logprobs, entropies and (with a value head) values of the batch's target tokens."""
+    hidden = model.get_decoder()(
         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
     ).last_hidden_state
-    # The token at position p is predicted by the hidden state at p - 1.
-    predicting = hidden[batch["rows"], batch["positions"] - 1]
-    return token_logprobs(predicting, model.get_output_embeddings(), batch["targets"], temperature, chunk_tokens)
+    # The token at position p is predicted by (and its state is) the hidden state at p - 1.
+    predicting = hidden[batch["sequence_index"], batch["positions"] - 1]
+    logprobs, entropy = token_logprobs(
+        predicting, model.get_output_embeddings(), batch["targets"], temperature, chunk_tokens
+    )
+    values = value_head(predicting) if value_head is not None else None
+    return logprobs, entropy, values
+
+
+@torch.no_grad()
+def score_rollouts(
+    model: torch.nn.Module,
+    turns: datasets.Dataset,
+    *,
+    temperature: float,
+    pad_token_id: int,
+    chunk_tokens: int,
+    batch_rollouts: int,
+    value_head: ValueHead | None = None,
+) -> tuple[list[list[float]], list[list[float]]]:
+    """Per dataset row: logprobs of its completion tokens under `model` (and values, with a
+    value head). Used for reference-model logprobs and critic values."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    logprobs_of: list[list[float]] = [[] for _ in range(len(turns))]
+    values_of: list[list[float]] = [[] for _ in range(len(turns))]
+    lengths = [len(t) for t in turns["completion_token_ids"]]
+    sequences = rollout_sequences(turns, include_failed=True)
+    for start in range(0, len(sequences), batch_rollouts):
+        chunk = sequences[start : start + batch_rollouts]
+        logprobs, _, values = forward_targets(
+            model, collate(chunk, pad_token_id, device), temperature, chunk_tokens, value_head
+        )
+        offset = 0
+        for seq in chunk:
+            for row in seq.rows:
+                logprobs_of[row] = logprobs[offset : offset + lengths[row]].tolist()
+                if values is not None:
+                    values_of[row] = values[offset : offset + lengths[row]].tolist()
+                offset += lengths[row]
+    model.train(was_training)
+    return logprobs_of, values_of
 
 
 # ---------------------------------------------------------------------------------------
-# The stage
+# 3. The optimisation loop
 # ---------------------------------------------------------------------------------------
+
+
+def _autocast(device: torch.device, mode: str):
+    use_bf16 = mode == "bf16" or (mode == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
 
 
 def ppo_update(
@@ -178,12 +314,39 @@ def ppo_update(
     temperature: float,
     pad_token_id: int,
     seed: int,
+    value_head: ValueHead | None = None,
 ) -> list[dict[str, float]]:
-    """Optimise `model` in place on one iteration's rollouts; return per-step metrics."""
+    """Optimise `model` (and `value_head`, when given) in place on one iteration's rollouts.
+    Returns one metrics dict per optimiser step."""
     torch.manual_seed(seed)
     device = next(model.parameters()).device
-    sequences = rollout_sequences(turns)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    sequences = [s for s in rollout_sequences(turns) if s.target_positions]
+    train_value = value_head is not None and all(len(s.old_values) == len(s.target_positions) for s in sequences)
+    use_kl_loss = config.kl_coef > 0 and config.kl_in == "loss"
+    if use_kl_loss and not all(len(s.ref_logprobs) == len(s.target_positions) for s in sequences):
+        raise ValueError("kl_in='loss' needs ref_logprobs in the compute-advantages dataset")
+
+    # Old logprobs: the policy before this update, recomputed by the training forward pass;
+    # generation logprobs differ once kernels or precision differ, which TIS corrects for.
+    for start in range(0, len(sequences), config.micro_batch_rollouts):
+        chunk = sequences[start : start + config.micro_batch_rollouts]
+        if config.recompute_old_logprobs:
+            with torch.no_grad(), _autocast(device, config.autocast):
+                logprobs, _, _ = forward_targets(
+                    model, collate(chunk, pad_token_id, device), temperature, config.logprob_chunk_tokens
+                )
+            offset = 0
+            for seq in chunk:
+                seq.old_logprobs = logprobs[offset : offset + len(seq.target_positions)].tolist()
+                offset += len(seq.target_positions)
+        else:
+            for seq in chunk:
+                seq.old_logprobs = list(seq.generation_logprobs)
+
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    if train_value:
+        parameters += list(value_head.parameters())
+    optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=config.weight_decay)
     shuffle = random.Random(seed)
     n_steps = config.epochs * -(-len(sequences) // config.minibatch_rollouts)
     metrics: list[dict[str, float]] = []
@@ -193,27 +356,74 @@ def ppo_update(
         order = list(range(len(sequences)))
         shuffle.shuffle(order)
         for start in range(0, len(order), config.minibatch_rollouts):
-            batch_sequences = [sequences[i] for i in order[start : start + config.minibatch_rollouts]]
-            batch = _collate(batch_sequences, pad_token_id, device)
-            logprobs, entropy = policy_logprobs(model, batch, temperature, config.logprob_chunk_tokens)
-            loss, stats = clipped_policy_loss(
-                logprobs, batch["old_logprobs"], batch["advantages"], config.clip_low, config.clip_high
-            )
+            minibatch = [sequences[i] for i in order[start : start + config.minibatch_rollouts]]
+            minibatch_tokens = sum(len(s.target_positions) for s in minibatch)
+            sums: dict[str, float] = {}
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+            for micro_start in range(0, len(minibatch), config.micro_batch_rollouts):
+                micro = minibatch[micro_start : micro_start + config.micro_batch_rollouts]
+                batch = collate(micro, pad_token_id, device)
+                with _autocast(device, config.autocast):
+                    logprobs, entropy, values = forward_targets(
+                        model, batch, temperature, config.logprob_chunk_tokens, value_head if train_value else None
+                    )
+                per_token, was_clipped = policy_loss(
+                    logprobs,
+                    batch["old_logprobs"],
+                    batch["advantages"],
+                    config.clip_low,
+                    config.clip_high,
+                    config.clip_ratio_c,
+                )
+                # Truncated importance sampling: generation and training logprobs can differ.
+                is_weight = torch.exp(batch["old_logprobs"] - batch["generation_logprobs"]).clamp(max=config.tis_cap)
+                per_token = per_token * is_weight
+                loss_terms = {"policy_loss": per_token, "entropy": entropy}
+                total = per_token - config.entropy_coef * entropy
+                if use_kl_loss:
+                    kl = kl_estimate(logprobs, batch["ref_logprobs"], config.kl_estimator)
+                    total = total + config.kl_coef * kl
+                    loss_terms["kl"] = kl
+                if train_value:
+                    v_loss = value_loss(values, batch["old_values"], batch["returns"], config.value_clip)
+                    total = total + config.value_coef * v_loss
+                    loss_terms["value_loss"] = v_loss
+                shares = {"loss": total, **loss_terms}
+                args = (
+                    batch["sequence_index"],
+                    config.loss_aggregation,
+                    minibatch_tokens,
+                    len(minibatch),
+                    config.loss_norm_tokens,
+                )
+                objective = aggregate(total, *args)
+                objective.backward()
+                with torch.no_grad():
+                    log_ratio = logprobs - batch["old_logprobs"]
+                    diagnostics = {
+                        **{name: aggregate(value.detach(), *args) for name, value in shares.items()},
+                        "clip_fraction": was_clipped.float().sum() / minibatch_tokens,
+                        "approx_kl": ((torch.exp(log_ratio) - 1.0) - log_ratio).sum() / minibatch_tokens,
+                        "ratio_mean": torch.exp(log_ratio).sum() / minibatch_tokens,
+                        "is_weight_mean": is_weight.sum() / minibatch_tokens,
+                        "logprob_mismatch": (batch["old_logprobs"] - batch["generation_logprobs"]).abs().sum()
+                        / minibatch_tokens,
+                    }
+                for name, value in diagnostics.items():
+                    sums[name] = sums.get(name, 0.0) + float(value)
+                sums["ratio_max"] = max(sums.get("ratio_max", 0.0), float(torch.exp(log_ratio).max()))
+                sums["is_weight_max"] = max(sums.get("is_weight_max", 0.0), float(is_weight.max()))
+            grad_norm = torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm)
             optimizer.step()
             metrics.append(
                 {
                     "epoch": epoch,
                     "step": len(metrics),
-                    "rollouts": len(batch_sequences),
-                    "tokens": int(logprobs.numel()),
+                    "rollouts": len(minibatch),
+                    "tokens": minibatch_tokens,
                     "learning_rate": config.learning_rate,
-                    "policy_loss": loss.item(),
-                    "entropy": entropy.mean().item(),
-                    "grad_norm": grad_norm.item(),
-                    **{name: value.item() for name, value in stats.items()},
+                    "grad_norm": float(grad_norm),
+                    **sums,
                 }
             )
             progress.update()
@@ -222,8 +432,9 @@ def ppo_update(
     return metrics
 
 
-def metrics_summary(metrics: list[dict[str, float]]) -> dict[str, float]:
+def metrics_summary(metrics: list[dict[str, Any]]) -> dict[str, float]:
     """Means over the optimiser steps (for the manifest)."""
     if not metrics:
         return {}
-    return {name: float(np.mean([m[name] for m in metrics])) for name in metrics[0] if name not in ("epoch", "step")}
+    names = [name for name in metrics[0] if name not in ("epoch", "step")]
+    return {name: float(np.mean([m.get(name, np.nan) for m in metrics])) for name in names}

@@ -1,44 +1,90 @@
-"""The PPO loss and logprobs against hand-computed cases, and one real update step."""
+"""PPO losses against hand-computed cases, and real update steps on the embedded model."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
 
 from pipeline.episodes import run_episodes
+from pipeline.models import eos_token_ids
 from schemas.config import PPOConfig, RunConfig
 from schemas.features import COMPUTE_ADVANTAGES
 from stages.generate_rollouts import Engine
 from stages.ppo_update import (
-    _collate,
-    clipped_policy_loss,
-    policy_logprobs,
+    ValueHead,
+    aggregate,
+    collate,
+    forward_targets,
+    kl_estimate,
+    policy_loss,
     ppo_update,
     rollout_sequences,
+    score_rollouts,
     token_logprobs,
+    value_loss,
 )
 
 
-def test_clipped_loss_value_gradient_and_clip_fraction_by_hand():
+def test_clipped_loss_value_and_gradient_by_hand():
     # ratios 1.1, 1.5, 0.5, 0.9 with advantages +1, +1, -1, -2, clip range [0.8, 1.28]:
-    #   t1: unclipped -1.1 (> clipped -1.1? equal: no clip)  -> -1.1, d/dlogp = -A*ratio = -1.1
-    #   t2: -1.5 vs clipped -1.28 -> -1.28 (clipped, no gradient)
-    #   t3: 0.5 vs clipped 0.8    ->  0.8  (clipped, no gradient)
-    #   t4: 1.8 vs clipped 1.8    ->  1.8, d/dlogp = -A*ratio = 1.8
-    # token-mean: (-1.1 - 1.28 + 0.8 + 1.8) / 4 = 0.055; gradient /4; clipped 2 of 4
+    #   t1: -1.1 (inside the range)               d/dlogp = -A*ratio = -1.1
+    #   t2: max(-1.5, -1.28) = -1.28 (clipped)     no gradient
+    #   t3: max(0.5, 0.8) = 0.8 (clipped)          no gradient
+    #   t4: max(1.8, 1.8) = 1.8                    d/dlogp = 1.8
+    # token mean (-1.1 - 1.28 + 0.8 + 1.8) / 4 = 0.055; gradient / 4; 2 of 4 clipped
     old = torch.tensor([-1.0, -2.0, -0.5, -3.0])
     new = (old + torch.log(torch.tensor([1.1, 1.5, 0.5, 0.9]))).requires_grad_()
-    advantages = torch.tensor([1.0, 1.0, -1.0, -2.0])
-    loss, stats = clipped_policy_loss(new, old, advantages, clip_low=0.2, clip_high=0.28)
+    per_token, clipped = policy_loss(new, old, torch.tensor([1.0, 1.0, -1.0, -2.0]), 0.2, 0.28, clip_ratio_c=None)
+    loss = per_token.mean()
     loss.backward()
     assert loss.item() == pytest.approx(0.055, abs=1e-6)
     assert new.grad.tolist() == pytest.approx([-0.275, 0.0, 0.0, 0.45], abs=1e-6)
-    assert stats["clip_fraction"].item() == pytest.approx(0.5)
-    # approx KL (k3): mean((r - 1) - log r)
-    expected_kl = sum((r - 1) - math.log(r) for r in (1.1, 1.5, 0.5, 0.9)) / 4
-    assert stats["approx_kl"].item() == pytest.approx(expected_kl, rel=1e-5)
+    assert clipped.tolist() == [False, True, True, False]
+
+
+def test_dual_clip_bounds_the_loss_of_negative_advantages():
+    # A = -1: ratio 5 -> max(5, 1.28) = 5 > c = 3 -> 3 (constant, no gradient);
+    #         ratio 2 -> max(2, 1.28) = 2 < 3 -> 2, d/dlogp = -A*ratio = 2
+    old = torch.zeros(2)
+    new = torch.log(torch.tensor([5.0, 2.0])).requires_grad_()
+    per_token, clipped = policy_loss(new, old, torch.tensor([-1.0, -1.0]), 0.2, 0.28, clip_ratio_c=3.0)
+    per_token.sum().backward()
+    assert per_token.tolist() == pytest.approx([3.0, 2.0])
+    assert new.grad.tolist() == pytest.approx([0.0, 2.0])
+    assert clipped.tolist() == [True, False]
+
+
+def test_kl_estimators_by_hand():
+    # log(pi / pi_ref) = 1: k1 = 1, k2 = 1/2, k3 = e^-1 - 1 + 1 = e^-1
+    logprobs, ref = torch.tensor([-1.0]), torch.tensor([-2.0])
+    assert kl_estimate(logprobs, ref, "k1").item() == pytest.approx(1.0)
+    assert kl_estimate(logprobs, ref, "k2").item() == pytest.approx(0.5)
+    assert kl_estimate(logprobs, ref, "k3").item() == pytest.approx(math.exp(-1))
+    assert kl_estimate(ref, ref, "k3").item() == 0.0
+    with pytest.raises(ValueError, match="valid: k1, k2, k3"):
+        kl_estimate(logprobs, ref, "k4")
+
+
+def test_value_loss_clipped_by_hand():
+    # V = 1.5, V_old = 1.0, R = 2.0, clip 0.2: (1.5 - 2)^2 = 0.25; clipped V 1.2 -> 0.64; 0.5 * max = 0.32
+    values, old, returns = torch.tensor([1.5]), torch.tensor([1.0]), torch.tensor([2.0])
+    assert value_loss(values, old, returns, clip=0.2).item() == pytest.approx(0.32)
+    assert value_loss(values, old, returns, clip=None).item() == pytest.approx(0.125)
+
+
+def test_loss_aggregation_modes_by_hand_and_across_micro_batches():
+    # per-token losses [1, 2, 3] (sequence 0) and [4] (sequence 1)
+    loss, index = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([0, 0, 0, 1])
+    assert aggregate(loss, index, "token-mean", 4, 2, 4).item() == pytest.approx(2.5)
+    assert aggregate(loss, index, "seq-mean-token-mean", 4, 2, 4).item() == pytest.approx(3.0)  # (2 + 4) / 2
+    assert aggregate(loss, index, "seq-mean-token-sum-norm", 4, 2, 4).item() == pytest.approx(1.25)  # 10 / (2*4)
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        whole = aggregate(loss, index, mode, 4, 2, 4)
+        halves = aggregate(loss[:3], index[:3], mode, 4, 2, 4) + aggregate(loss[3:], index[3:] * 0, mode, 4, 2, 4)
+        assert halves.item() == pytest.approx(whole.item())
 
 
 def test_chunked_logprobs_equal_the_full_log_softmax_with_gradients():
@@ -46,15 +92,13 @@ def test_chunked_logprobs_equal_the_full_log_softmax_with_gradients():
     hidden = torch.randn(37, 16, requires_grad=True)
     head = torch.nn.Linear(16, 50, bias=False)
     targets = torch.randint(0, 50, (37,))
-    temperature = 0.7
-    chunked, entropy = token_logprobs(hidden, head, targets, temperature, chunk_tokens=8)
+    chunked, entropy = token_logprobs(hidden, head, targets, 0.7, chunk_tokens=8)
     chunked.sum().backward()
     grad_chunked = hidden.grad.clone()
     hidden.grad = None
-    full = torch.log_softmax(head(hidden) / temperature, -1)
-    reference = full.gather(-1, targets[:, None])[:, 0]
-    reference.sum().backward()
-    assert torch.allclose(chunked, reference, atol=1e-6)
+    full = torch.log_softmax(head(hidden) / 0.7, -1)
+    full.gather(-1, targets[:, None])[:, 0].sum().backward()
+    assert torch.allclose(chunked, full.gather(-1, targets[:, None])[:, 0], atol=1e-6)
     assert torch.allclose(grad_chunked, hidden.grad, atol=1e-6)
     assert torch.allclose(entropy, -(full.exp() * full).sum(-1), atol=1e-5)
 
@@ -63,43 +107,70 @@ def test_chunked_logprobs_equal_the_full_log_softmax_with_gradients():
 def rollouts(tiny):
     model, tokenizer = tiny
     config = RunConfig(task={"rollouts": 8, "group_size": 8, "max_turns": 3}, generation={"max_new_tokens": 64})
-    turns = run_episodes(Engine(model, tokenizer.pad_token_id, [tokenizer.eos_token_id]), tokenizer, config)
-    # Fixed advantages: +1 for even rollouts, 0 for odd ones.
+    turns = run_episodes(Engine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model)), tokenizer, config)
+    # Fixed advantages: +1 for even rollouts, 0 for odd ones; returns 1 for even ones.
     advantages = [
         [1.0 if r % 2 == 0 else 0.0] * len(c) for r, c in zip(turns["rollout_id"], turns["completion_token_ids"])
     ]
-    turns = turns.add_column("advantages", advantages, feature=COMPUTE_ADVANTAGES["advantages"])
-    return turns.add_column("returns", advantages, feature=COMPUTE_ADVANTAGES["returns"])
+    for name, column in (("advantages", advantages), ("returns", advantages)):
+        turns = turns.add_column(name, column, feature=COMPUTE_ADVANTAGES[name])
+    for name in ("values", "ref_logprobs"):
+        turns = turns.add_column(name, [[] for _ in advantages], feature=COMPUTE_ADVANTAGES[name])
+    return turns
 
 
-def test_stored_old_logprobs_equal_the_training_forward_pass(tiny, rollouts):
+def test_stored_generation_logprobs_equal_the_training_forward_pass(tiny, rollouts):
     model, tokenizer = tiny
-    batch = _collate(rollout_sequences(rollouts), tokenizer.pad_token_id, torch.device("cpu"))
+    batch = collate(rollout_sequences(rollouts), tokenizer.pad_token_id, torch.device("cpu"))
     with torch.no_grad():
-        logprobs, _ = policy_logprobs(model, batch, temperature=1.0, chunk_tokens=64)
-    assert (logprobs - batch["old_logprobs"]).abs().max().item() < 1e-4
+        logprobs, _, _ = forward_targets(model, batch, temperature=1.0, chunk_tokens=64)
+    assert (logprobs - batch["generation_logprobs"]).abs().max().item() < 1e-4
 
 
-def test_one_ppo_step_lowers_the_loss_and_moves_logprobs_with_the_advantage(tiny, rollouts):
+def test_one_ppo_step_lowers_the_loss_and_raises_positive_advantage_logprobs(tiny, rollouts):
     model, tokenizer = tiny
-    import copy
-
     trained = copy.deepcopy(model)
     sequences = rollout_sequences(rollouts)
-    batch = _collate(sequences, tokenizer.pad_token_id, torch.device("cpu"))
+    for seq in sequences:
+        seq.old_logprobs = seq.generation_logprobs
+    batch = collate(sequences, tokenizer.pad_token_id, torch.device("cpu"))
     # A small step, so that the first-order picture holds: Adam's first step is along -sign(grad).
-    config = PPOConfig(learning_rate=1e-4, minibatch_rollouts=len(sequences), epochs=1)
+    config = PPOConfig(learning_rate=1e-4, minibatch_rollouts=len(sequences), micro_batch_rollouts=3, epochs=1)
 
     def evaluate(m):
         with torch.no_grad():
-            logprobs, _ = policy_logprobs(m, batch, 1.0, 64)
-            loss, _ = clipped_policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], 0.2, 0.28)
-        return loss.item(), logprobs
+            logprobs, _, _ = forward_targets(m, batch, 1.0, 64)
+            per_token, _ = policy_loss(logprobs, batch["old_logprobs"], batch["advantages"], 0.2, 0.28, 3.0)
+        return per_token.mean().item(), logprobs
 
     loss_before, before = evaluate(trained)
     metrics = ppo_update(trained, rollouts, config=config, temperature=1.0, pad_token_id=tokenizer.pad_token_id, seed=0)
     loss_after, after = evaluate(trained)
-    positive = batch["advantages"] > 0
     assert len(metrics) == 1 and metrics[0]["grad_norm"] > 0
+    assert metrics[0]["is_weight_mean"] == pytest.approx(1.0, abs=1e-3)  # same weights, same kernels
     assert loss_after < loss_before
-    assert (after - before)[positive].mean() > 0
+    assert (after - before)[batch["advantages"] > 0].mean() > 0
+
+
+def test_value_head_learns_the_returns_and_kl_in_the_loss_runs(tiny, rollouts):
+    model, tokenizer = tiny
+    trained, head = copy.deepcopy(model), ValueHead(model.config.hidden_size)
+    reference_logprobs, values = score_rollouts(
+        model,
+        rollouts,
+        temperature=1.0,
+        pad_token_id=tokenizer.pad_token_id,
+        chunk_tokens=64,
+        batch_rollouts=4,
+        value_head=head,
+    )
+    assert all(v == 0.0 for row in values for v in row)  # a fresh head predicts 0
+    data = rollouts.remove_columns(["values", "ref_logprobs"])
+    data = data.add_column("values", values, feature=COMPUTE_ADVANTAGES["values"])
+    data = data.add_column("ref_logprobs", reference_logprobs, feature=COMPUTE_ADVANTAGES["ref_logprobs"])
+    config = PPOConfig(learning_rate=1e-3, minibatch_rollouts=4, epochs=3, kl_coef=0.1, value_clip=None)
+    metrics = ppo_update(
+        trained, data, config=config, temperature=1.0, pad_token_id=tokenizer.pad_token_id, seed=0, value_head=head
+    )
+    assert metrics[-1]["value_loss"] < metrics[0]["value_loss"]
+    assert metrics[0]["kl"] == pytest.approx(0.0, abs=1e-4) and metrics[-1]["kl"] > 0
