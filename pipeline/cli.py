@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from pipeline.models import ModelError
+from pipeline.report import write_report
 from pipeline.store import Store, StoreError
 from schemas.config import RunConfig
 
@@ -106,21 +107,21 @@ def command_run(args: argparse.Namespace) -> None:
     results = rl_training(config)
     wall = time.time() - started
     store = Store(config.store.runs_dir)
-    print(f"\n{'iter':>4} {'reward':>7} {'success':>7} {'turns':>6} {'gen tok':>8}")
-    for result in results:
-        m = result["metrics"]
-        print(
-            f"{result['iteration']:>4} {m['reward_mean'] or 0:>7.3f} {m['success_rate'] or 0:>7.2f} "
-            f"{m['mean_turns']:>6.2f} {m['mean_gen_tokens_per_rollout']:>8.1f}"
-        )
+    curve, png = write_report(store, policy_version=results[-1]["next_policy"])
+    print(f"\n{curve}\n\nlearning curve: {png}")
     last = results[-1]
     print(f"\n{len(results)} iteration(s) in {wall:.1f} s. Datasets of the last iteration:")
     for stage in ("assign-rewards", "compute-advantages", "ppo-update"):
         print(f"  {stage:<19} {store.path(stage, last['versions'][stage])}")
-    rounds = last["versions"]["execute-tools"]
-    print(f"  {'execute-tools':<19} {len(rounds)} turn(s), last: {store.path('execute-tools', rounds[-1])}")
+    turns = last["versions"]["execute-tools"]
+    print(f"  {'execute-tools':<19} {len(turns)} turn(s), last: {store.path('execute-tools', turns[-1])}")
     print(f"  {'policy':<19} {store.policy_dir(last['next_policy'])}")
     print("Load any of them with:  import datasets; datasets.load_from_disk('<path above>')")
+
+
+def command_report(args: argparse.Namespace) -> None:
+    curve, png = write_report(Store(args.runs_dir), args.out, args.policy)
+    print(f"{curve}\n\nlearning curve: {png}")
 
 
 def command_ls(args: argparse.Namespace) -> None:
@@ -180,6 +181,11 @@ def parser() -> argparse.ArgumentParser:
         sub.add_argument("reference", metavar="STAGE/VERSION")
         sub.add_argument("--runs-dir", type=Path, default=Path("runs"))
         sub.set_defaults(handler=handler)
+    report = commands.add_parser("report", help="learning curve of a run: table + PNG")
+    report.add_argument("runs_dir", nargs="?", type=Path, default=Path("runs"), metavar="RUNS_DIR")
+    report.add_argument("--out", type=Path, help="where to write the plot (default: RUNS_DIR/report)")
+    report.add_argument("--policy", help="report the lineage of this policy version (default: the newest)")
+    report.set_defaults(handler=command_report)
     ls = commands.add_parser("ls", help="every stored version")
     ls.add_argument("--runs-dir", type=Path, default=Path("runs"))
     ls.set_defaults(handler=command_ls)

@@ -15,6 +15,7 @@ its config section and its inputs' versions; the store on disk is the truth:
 from __future__ import annotations
 
 import functools
+import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -188,19 +189,8 @@ def run_stage(
     )(config=config, version=version, parents=parents, **(position or {}), **inputs)
 
 
-def rounds_of(store: Store, tools_version: str) -> list[str]:
-    """The execute-tools versions of every turn up to this one, oldest first."""
-    chain = []
-    current: str | None = tools_version
-    while current is not None:
-        chain.append(current)
-        generated = store.manifest("execute-tools", current)["parents"]["generate-rollouts"]
-        current = store.manifest("generate-rollouts", generated)["parents"].get("execute-tools")
-    return chain[::-1]
-
-
 def load_rounds(store: Store, tools_version: str) -> datasets.Dataset:
-    return datasets.concatenate_datasets([store.load("execute-tools", v) for v in rounds_of(store, tools_version)])
+    return datasets.concatenate_datasets([store.load("execute-tools", v) for v in store.turns_of(tools_version)])
 
 
 @stage_task("generate-rollouts")
@@ -389,7 +379,15 @@ def ppo_update_task(config: RunConfig, version: str, parents: dict[str, str], it
             },
         )
         dataset = dataset_from_rows(metrics, PPO_UPDATE)
-        return dataset, {"metrics": ppo_update.metrics_summary(metrics), "policy": next_policy, "iteration": iteration}
+        peak = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # process high-water mark
+        if torch.cuda.is_available():
+            peak["cuda_peak_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        return dataset, {
+            "metrics": ppo_update.metrics_summary(metrics),
+            "memory": peak,
+            "policy": next_policy,
+            "iteration": iteration,
+        }
 
     write_stage(config, "ppo-update", version, parents, compute)
     return next_policy
@@ -439,7 +437,7 @@ def rl_iteration(config: RunConfig, iteration: int | None = None, policy_version
         "policy": policy_version,
         "next_policy": next_policy,
         "versions": {
-            "execute-tools": rounds_of(store, previous),
+            "execute-tools": store.turns_of(previous),
             "assign-rewards": rewarded,
             "compute-advantages": advantaged,
             "ppo-update": store.manifest(POLICY, next_policy)["parents"]["ppo-update"],

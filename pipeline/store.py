@@ -185,6 +185,17 @@ class Store:
         visit(stage, version)
         return chain
 
+    def turns_of(self, tools_version: str) -> list[str]:
+        """The execute-tools versions of every turn of an iteration up to this one, oldest first
+        (each turn's generate-rollouts version names the previous turn's execute-tools version)."""
+        chain: list[str] = []
+        current: str | None = tools_version
+        while current is not None:
+            chain.append(current)
+            generated = self.manifest("execute-tools", current)["parents"]["generate-rollouts"]
+            current = self.manifest("generate-rollouts", generated)["parents"].get("execute-tools")
+        return chain[::-1]
+
     def verify(self, stage: str, version: str) -> list[str]:
         """Problems with a version's files (empty when they match the manifest's digests)."""
         expected = self.manifest(stage, version).get("files", {})

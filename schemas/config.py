@@ -31,7 +31,7 @@ class ModelConfig(Section):
 
 class TaskConfig(Section):
     name: str = Field("calculator", description="Environment (task) name; see `mtrl run --help` for the choices.")
-    rollouts: int = Field(32, ge=1, le=100_000, description="Rollouts per iteration (tasks x group size).")
+    rollouts: int = Field(64, ge=1, le=100_000, description="Rollouts per iteration (tasks x group size).")
     group_size: int = Field(
         8, ge=1, le=1024, description="Samples of the same task; group-relative baselines use them."
     )
@@ -115,7 +115,7 @@ class RunConfig(Section):
     """Everything one training run needs. `mtrl run --help` lists the CLI flags that set it."""
 
     seed: int = Field(0, ge=0, description="Seed of task sampling, generation and training.")
-    iterations: int = Field(3, ge=1, le=100_000, description="RL iterations (`mtrl run`).")
+    iterations: int = Field(10, ge=1, le=100_000, description="RL iterations (`mtrl run`).")
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
     generation: GenerationConfig = GenerationConfig()

@@ -141,3 +141,38 @@ def test_a_deleted_version_is_recomputed_not_served_from_prefects_cache(first_ru
     (again,) = rl_training(config)
     assert again["versions"]["compute-advantages"] == version
     assert store.exists("compute-advantages", version) and store.verify("compute-advantages", version) == []
+
+
+def test_gae_with_kl_in_the_reward_and_lora_over_two_iterations(tmp_path):
+    """The critic and the reference are read by compute-advantages, the value head travels with
+    the policy, and a LoRA update is merged into a plain checkpoint."""
+    from pipeline.flows import rl_training
+    from pipeline.report import write_report
+    from schemas.config import RunConfig
+
+    config = RunConfig(
+        iterations=2,
+        task={"rollouts": 4, "group_size": 2, "max_turns": 2},
+        generation={"max_new_tokens": 48},
+        advantage={"estimator": "gae"},
+        ppo={"minibatch_rollouts": 4, "kl_coef": 0.05, "kl_in": "reward", "lora_rank": 4},
+        store={"runs_dir": tmp_path / "runs"},
+    )
+    first, second = rl_training(config)
+    store = Store(config.store.runs_dir)
+    for result in (first, second):
+        manifest = store.manifest("compute-advantages", result["versions"]["compute-advantages"])
+        assert manifest["parents"]["policy"] == result["policy"]
+        assert manifest["parents"]["policy#reference"] == first["policy"]  # the iteration-0 policy
+        data = store.load("compute-advantages", result["versions"]["compute-advantages"])
+        assert all(len(v) == len(c) for v, c in zip(data["values"], data["completion_token_ids"]))
+        assert all(len(r) == len(c) for r, c in zip(data["ref_logprobs"], data["completion_token_ids"]))
+    trained = store.policy_dir(first["next_policy"])
+    assert (trained / "value_head.safetensors").is_file() and not (trained / "adapter_config.json").exists()
+    # iteration 1 scores with the trained critic: its values are no longer all zero
+    values = store.load("compute-advantages", second["versions"]["compute-advantages"])["values"]
+    assert any(v != 0.0 for row in values for v in row)
+    metrics = store.load("ppo-update", second["versions"]["ppo-update"])
+    assert all(v is not None for v in metrics["value_loss"])
+    curve, png = write_report(store)
+    assert png.is_file() and len(curve.splitlines()) == 3

@@ -1,0 +1,102 @@
+"""The learning curve of a run, from the manifests alone: a table and a PNG plot.
+
+`mtrl report RUNS_DIR` follows the newest policy back to the starting model and reports one
+row per iteration: rollout metrics (assign-rewards), training metrics (ppo-update) and the
+time its stages took.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeline.store import POLICY, Store, StoreError
+
+COLUMNS = (  # (key, header, width, decimals)
+    ("iteration", "iter", 4, 0),
+    ("success_rate", "success", 7, 3),
+    ("reward_mean", "reward", 7, 3),
+    ("mean_turns", "turns", 6, 2),
+    ("mean_gen_tokens_per_rollout", "gen tok", 7, 1),
+    ("policy_loss", "pg loss", 8, 4),
+    ("kl", "kl", 7, 4),
+    ("entropy", "entropy", 7, 3),
+    ("clip_fraction", "clip", 6, 3),
+    ("stage_seconds", "stage s", 7, 1),
+)
+
+
+def iterations(store: Store, policy_version: str | None = None) -> list[dict[str, Any]]:
+    """One row per iteration of the lineage ending at `policy_version` (default: the newest)."""
+    if policy_version is None:
+        policies = store.versions(POLICY)
+        if not policies:
+            raise StoreError(f"no policy in {store.root}: nothing to report")
+        policy_version = max(policies, key=lambda m: (m.get("iteration", -1), m["created_at"]))["version"]
+    rows = []
+    version = policy_version
+    while parents := store.manifest(POLICY, version)["parents"]:
+        update = store.manifest("ppo-update", parents["ppo-update"])
+        advantages = store.manifest("compute-advantages", update["parents"]["compute-advantages"])
+        rewards = store.manifest("assign-rewards", advantages["parents"]["assign-rewards"])
+        seconds = update["wall_s"] + advantages["wall_s"] + rewards["wall_s"]
+        for tools in store.turns_of(rewards["parents"]["execute-tools"]):
+            generated = store.manifest("execute-tools", tools)["parents"]["generate-rollouts"]
+            seconds += (
+                store.manifest("execute-tools", tools)["wall_s"]
+                + store.manifest("generate-rollouts", generated)["wall_s"]
+            )
+        rows.append(
+            {
+                "iteration": update["iteration"],
+                "policy": update["parents"][POLICY],
+                **rewards["metrics"],
+                **{
+                    k: v for k, v in update["metrics"].items() if k in ("policy_loss", "kl", "entropy", "clip_fraction")
+                },
+                "stage_seconds": seconds,
+            }
+        )
+        version = update["parents"][POLICY]
+    return rows[::-1]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    def cell(value: Any, width: int, decimals: int) -> str:
+        return f"{'-':>{width}}" if value is None else f"{value:>{width}.{decimals}f}"
+
+    lines = [" ".join(f"{title:>{width}}" for _, title, width, _ in COLUMNS)]
+    lines += [" ".join(cell(row.get(key), width, decimals) for key, _, width, decimals in COLUMNS) for row in rows]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [row["iteration"] for row in rows]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    left.plot(x, [row.get("success_rate") for row in rows], marker="o", label="success rate")
+    left.plot(x, [row.get("reward_mean") for row in rows], marker=".", linestyle="--", label="mean reward")
+    left.set(xlabel="iteration", ylim=(-0.02, 1.02), title="rollouts")
+    left.legend()
+    right.plot(x, [row.get("mean_turns") for row in rows], marker="o", label="mean turns")
+    right.set(xlabel="iteration", title="episode length")
+    right.legend()
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def write_report(store: Store, out_dir: Path | None = None, policy_version: str | None = None) -> tuple[str, Path]:
+    """Print-ready table; writes learning_curve.png and summary.json into out_dir."""
+    rows = iterations(store, policy_version)
+    out_dir = out_dir or store.root / "report"
+    png = plot(rows, out_dir / "learning_curve.png")
+    (out_dir / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+    return table(rows), png
