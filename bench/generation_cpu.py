@@ -31,11 +31,11 @@ class TimedEngine(Engine):
         super().__init__(*args, **kwargs)
         self.re_encode, self.seconds, self.tokens = re_encode, 0.0, 0
 
-    def generate(self, requests, temperature, top_k=0, top_p=1.0):
+    def generate(self, requests, temperature, top_k=0, top_p=1.0, decode=None):
         if self.re_encode:
             self.reset()
         started = time.perf_counter()
-        completions = super().generate(requests, temperature, top_k, top_p)
+        completions = super().generate(requests, temperature, top_k, top_p, decode)
         self.seconds += time.perf_counter() - started
         self.tokens += sum(len(c.token_ids) for c in completions)
         return completions

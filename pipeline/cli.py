@@ -72,12 +72,19 @@ def build_config(args: argparse.Namespace) -> RunConfig:
 
 def validate_choices(config: RunConfig) -> None:
     """Names that only the registries know, checked before any work is done."""
+    from pipeline.episodes import load_plugins
     from pipeline.models import resolve_model_dir
     from stages.assign_rewards import ENVIRONMENTS
     from stages.compute_advantages import ESTIMATORS
 
-    if config.task.name not in ENVIRONMENTS:
-        raise UsageError(f"unknown task '{config.task.name}'; valid: {', '.join(sorted(ENVIRONMENTS))}")
+    try:
+        load_plugins(config.task.plugins)
+    except ImportError as exc:
+        raise UsageError(f"task.plugins: cannot import {exc.name!r}: {exc}") from None
+
+    for name, _ in config.task.mix():
+        if name not in ENVIRONMENTS:
+            raise UsageError(f"unknown task '{name}'; valid: {', '.join(sorted(ENVIRONMENTS))}")
     if config.advantage.estimator not in ESTIMATORS:
         raise UsageError(
             f"unknown advantage estimator '{config.advantage.estimator}'; valid: {', '.join(sorted(ESTIMATORS))}"
@@ -152,6 +159,37 @@ def command_show(args: argparse.Namespace) -> None:
         print(f"load: datasets.load_from_disk('{store.path(stage, version)}')")
 
 
+def command_audit(args: argparse.Namespace) -> None:
+    from pipeline.audit import audit
+    from pipeline.models import load_tokenizer
+
+    store = Store(args.runs_dir)
+    stage, version = store.resolve(args.reference)
+    if stage in ("policy", "ppo-update"):
+        raise UsageError(
+            "audit checks a dataset of turns: generate-rollouts, execute-tools, assign-rewards or compute-advantages"
+        )
+    problems = store.verify(stage, version)
+    if problems:
+        raise UsageError(f"{stage}/{version} files do not match the manifest: {'; '.join(problems)}")
+    turns = store.load(stage, version)
+    generation = store.lineage(stage, version)
+    config = next(m["config"] for m in generation if m["stage"] == "generate-rollouts")
+    tokenizer = load_tokenizer(str(store.policy_dir(turns[0]["policy_version"])))
+    report = audit(
+        turns,
+        store,
+        tokenizer,
+        enable_thinking=config["generation"]["enable_thinking"],
+        rescore_fraction=args.rescore_fraction,
+        rescore_tolerance=args.tolerance,
+        temperature=config["generation"]["temperature"],
+    )
+    print(json.dumps(report.as_dict(), indent=2))
+    if not report.ok:
+        raise UsageError(f"{stage}/{version} fails the audit: {report.problems[0]}")
+
+
 def command_lineage(args: argparse.Namespace) -> None:
     store = Store(args.runs_dir)
     stage, version = store.resolve(args.reference)
@@ -176,10 +214,14 @@ def parser() -> argparse.ArgumentParser:
     for name, handler, text in (
         ("show", command_show, "a version's manifest"),
         ("lineage", command_lineage, "a version's parents back to the starting policy"),
+        ("audit", command_audit, "check a dataset: token streams, lengths, logprobs, advantages, re-scoring"),
     ):
         sub = commands.add_parser(name, help=text)
         sub.add_argument("reference", metavar="STAGE/VERSION")
         sub.add_argument("--runs-dir", type=Path, default=Path("runs"))
+        if name == "audit":
+            sub.add_argument("--rescore-fraction", type=float, default=0.1, help="share of rollouts re-scored")
+            sub.add_argument("--tolerance", type=float, default=1e-3, help="max |stored - re-scored| logprob")
         sub.set_defaults(handler=handler)
     report = commands.add_parser("report", help="learning curve of a run: table + PNG")
     report.add_argument("runs_dir", nargs="?", type=Path, default=Path("runs"), metavar="RUNS_DIR")

@@ -6,27 +6,55 @@ module is for evaluating a model in-process (the embedded model's build, tests, 
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
+import os
 import random
+import sys
 from typing import Any
 
 import datasets
 import numpy as np
 
+from pipeline.store import source_version
 from schemas.config import RunConfig
-from schemas.features import token_counts
 from stages import assign_rewards, execute_tools, generate_rollouts
 
 
+def load_plugins(modules: list[str]) -> None:
+    """Import user modules that register tools (TOOLS) and environments (ENVIRONMENTS); the
+    working directory is searched first, as `python -m` would."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    for module in modules:
+        importlib.import_module(module)
+
+
+def environment_code(config: RunConfig) -> dict[str, str]:
+    """Code version of each environment of the task mix and of its tools: a hash of the source
+    files that define them, so editing a reward function or a tool gives new versions."""
+    versions = {}
+    for name, _ in config.task.mix():
+        environment = assign_rewards.ENVIRONMENTS[name]
+        files = {inspect.getsourcefile(type(environment))}
+        files |= {inspect.getsourcefile(execute_tools.TOOLS[tool]) for tool in environment.tools}
+        versions[name] = source_version(*sorted(files))
+    return versions
+
+
 def rollout_starts(config: RunConfig, iteration: int) -> list[dict[str, Any]]:
-    """The iteration's tasks: rollouts / group_size tasks, each sampled group_size times."""
-    if config.task.name not in assign_rewards.ENVIRONMENTS:
-        raise ValueError(f"unknown task '{config.task.name}'; valid: {', '.join(assign_rewards.ENVIRONMENTS)}")
-    environment = assign_rewards.ENVIRONMENTS[config.task.name]
-    tools = [execute_tools.tool_schema(execute_tools.TOOLS[name]) for name in environment.tools]
+    """The iteration's tasks: rollouts / group_size groups, each one task of one environment
+    (split by the task mix) sampled group_size times. A group never mixes tasks."""
+    unknown = [name for name, _ in config.task.mix() if name not in assign_rewards.ENVIRONMENTS]
+    if unknown:
+        valid = ", ".join(sorted(assign_rewards.ENVIRONMENTS))
+        raise ValueError(f"unknown task '{unknown[0]}'; valid: {valid}")
     rng = random.Random(f"tasks/{config.seed}/{iteration}")
     starts = []
-    for group_id in range(config.task.rollouts // config.task.group_size):
+    for group_id, name in enumerate(config.task.groups_per_task()):
+        environment = assign_rewards.ENVIRONMENTS[name]
+        tools = [execute_tools.tool_schema(execute_tools.TOOLS[tool]) for tool in environment.tools]
         task = environment.sample_task(rng)
         for _ in range(config.task.group_size):
             starts.append(
@@ -83,25 +111,42 @@ def run_episodes(
 
 
 def rollout_metrics(turns: datasets.Dataset) -> dict[str, Any]:
-    """Per-iteration rollout metrics (NeMo-RL's names where they exist)."""
-    columns = turns.select_columns(["rollout_id", "turn", "stop_reason", "failed", "reward"]).to_dict()
-    last: dict[int, dict[str, Any]] = {}
-    for rollout_id, turn_, stop, failed, reward in zip(*columns.values()):
-        if rollout_id not in last or turn_ >= last[rollout_id]["turn"]:
-            last[rollout_id] = {"turn": turn_, "stop": stop, "failed": failed, "reward": reward}
-    n = max(1, len(last))
-    scored = [r["reward"] for r in last.values() if not r["failed"]]
-    tokens = token_counts(turns)
-    return {
-        "rollouts": len(last),
-        "reward_mean": float(np.mean(scored)) if scored else None,
-        "success_rate": float(np.mean([r > 0 for r in scored])) if scored else None,
-        "natural_termination_rate": sum(r["stop"] == "done" for r in last.values()) / n,
-        "truncation_rate": sum(r["stop"] in ("context_overflow", "length") for r in last.values()) / n,
-        "max_turns_reached_rate": sum(r["stop"] == "max_turns" for r in last.values()) / n,
-        "failed_rate": sum(bool(r["failed"]) for r in last.values()) / n,
-        "mean_turns": float(np.mean([r["turn"] + 1 for r in last.values()])) if last else 0.0,
-        "max_turns": max((r["turn"] + 1 for r in last.values()), default=0),
-        "mean_gen_tokens_per_rollout": tokens.get("completion", 0) / n,
-        "mean_env_tokens_per_rollout": tokens.get("observation", 0) / n,
-    }
+    """Per-iteration rollout metrics (NeMo-RL's names where they exist), overall and per task."""
+    columns = turns.select_columns(["rollout_id", "task", "turn", "stop_reason", "failed", "reward"]).to_dict()
+    completion = [len(t) for t in turns["completion_token_ids"]]
+    observation = [len(t) for t in turns["observation_token_ids"]]
+    rollouts: dict[int, dict[str, Any]] = {}
+    for i, rollout_id in enumerate(columns["rollout_id"]):
+        r = rollouts.setdefault(rollout_id, {"task": columns["task"][i], "turn": -1, "gen": 0, "env": 0})
+        r["gen"] += completion[i]
+        r["env"] += observation[i]
+        if columns["turn"][i] > r["turn"]:
+            r.update(
+                turn=columns["turn"][i],
+                stop=columns["stop_reason"][i],
+                failed=columns["failed"][i],
+                reward=columns["reward"][i],
+            )
+
+    def summary(group: list[dict[str, Any]]) -> dict[str, Any]:
+        n = max(1, len(group))
+        scored = [r["reward"] for r in group if not r["failed"]]
+        solved = [r["turn"] + 1 for r in group if r["stop"] == "done" and not r["failed"] and r["reward"] > 0]
+        return {
+            "rollouts": len(group),
+            "reward_mean": float(np.mean(scored)) if scored else None,
+            "success_rate": float(np.mean([r > 0 for r in scored])) if scored else None,
+            "natural_termination_rate": sum(r["stop"] == "done" for r in group) / n,
+            "truncation_rate": sum(r["stop"] in ("context_overflow", "length") for r in group) / n,
+            "max_turns_reached_rate": sum(r["stop"] == "max_turns" for r in group) / n,
+            "failed_rate": sum(bool(r["failed"]) for r in group) / n,
+            "mean_turns": float(np.mean([r["turn"] + 1 for r in group])) if group else 0.0,
+            "max_turns": max((r["turn"] + 1 for r in group), default=0),
+            "mean_turns_to_solve": float(np.mean(solved)) if solved else None,
+            "mean_gen_tokens_per_rollout": sum(r["gen"] for r in group) / n,
+            "mean_env_tokens_per_rollout": sum(r["env"] for r in group) / n,
+        }
+
+    everything = list(rollouts.values())
+    tasks = sorted({r["task"] for r in everything})
+    return {**summary(everything), "per_task": {t: summary([r for r in everything if r["task"] == t]) for t in tasks}}

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 from prefect import flow, get_run_logger, task
 
-from pipeline.episodes import rollout_metrics, rollout_starts
+from pipeline.audit import AuditError, audit
+from pipeline.episodes import environment_code, load_plugins, rollout_metrics, rollout_starts
 from pipeline.models import eos_token_ids, load_model, load_tokenizer, pick_device, resolve_model_dir
 from pipeline.store import POLICY, Store, file_digests, source_version, version_key
 from schemas.config import RunConfig
@@ -38,16 +39,13 @@ ROOT = Path(__file__).resolve().parent.parent
 _SCHEMAS = [ROOT / "schemas" / "features.py", ROOT / "schemas" / "token_stream.py"]
 CODE_VERSIONS = {
     "generate-rollouts": source_version(ROOT / "stages" / "generate_rollouts.py", *_SCHEMAS),
-    # Environments (stages/assign_rewards.py) decide termination and observations too.
-    "execute-tools": source_version(
-        ROOT / "stages" / "execute_tools.py", ROOT / "stages" / "assign_rewards.py", *_SCHEMAS
-    ),
+    # environments (and user plugins) enter the versions through environment_code()
+    "execute-tools": source_version(*sorted((ROOT / "stages" / "execute_tools").glob("*.py")), *_SCHEMAS),
     "assign-rewards": source_version(ROOT / "stages" / "assign_rewards.py", *_SCHEMAS),
     "compute-advantages": source_version(ROOT / "stages" / "compute_advantages.py", *_SCHEMAS),
     "ppo-update": source_version(ROOT / "stages" / "ppo_update.py", *_SCHEMAS),
     POLICY: "1",
 }
-ENVIRONMENT_CODE = source_version(ROOT / "stages" / "assign_rewards.py")
 
 
 # ---------------------------------------------------------------------------------------
@@ -63,13 +61,13 @@ def stage_config(config: RunConfig, stage: str, **position: int) -> dict[str, An
             "seed": config.seed,
             "dtype": config.model.dtype,
             "device": pick_device(config.model.device).type,
-            "environment_code": ENVIRONMENT_CODE,
+            "environment_code": environment_code(config),
             **position,
         }
-    if stage == "execute-tools":
-        return config.section("tools", "task", "generation")
-    if stage == "assign-rewards":
-        return config.section("reward")
+    if stage == "execute-tools":  # environments decide termination and observations
+        return {**config.section("tools", "task", "generation"), "environment_code": environment_code(config)}
+    if stage == "assign-rewards":  # and score the rollouts
+        return {**config.section("reward"), "environment_code": environment_code(config)}
     if stage == "compute-advantages":
         return {
             **config.section("advantage"),
@@ -259,7 +257,7 @@ def assign_rewards_task(config: RunConfig, version: str, parents: dict[str, str]
     def compute() -> tuple[datasets.Dataset, dict[str, Any]]:
         turns = load_rounds(store, parents["execute-tools"])
         dataset = assign_rewards.assign_rewards(turns, assign_rewards.ENVIRONMENTS, config.reward)
-        return dataset, {"metrics": rollout_metrics(dataset), "environment_code": ENVIRONMENT_CODE}
+        return dataset, {"metrics": rollout_metrics(dataset), "environment_code": environment_code(config)}
 
     return write_stage(config, "assign-rewards", version, parents, compute)
 
@@ -339,6 +337,19 @@ def ppo_update_task(config: RunConfig, version: str, parents: dict[str, str], it
 
     def compute() -> tuple[datasets.Dataset, dict[str, Any]]:
         model, tokenizer = _scoring_model(store, config, policy_version)
+        turns = store.load("compute-advantages", advantaged)
+        report = audit(
+            turns,
+            store,
+            tokenizer,
+            enable_thinking=config.generation.enable_thinking,
+            rescore_fraction=config.ppo.audit_rescore_fraction,
+            rescore_tolerance=config.ppo.audit_tolerance,
+            temperature=config.generation.temperature,
+            seed=config.seed + iteration,
+        )
+        if not report.ok:
+            raise AuditError(f"compute-advantages/{advantaged} fails the audit: " + "; ".join(report.problems))
         value_head = None
         if config.advantage.estimator in compute_advantages.NEEDS_VALUES:
             value_head = ppo_update.ValueHead.load(store.policy_dir(policy_version), model.config.hidden_size)
@@ -350,7 +361,7 @@ def ppo_update_task(config: RunConfig, version: str, parents: dict[str, str], it
             model = get_peft_model(model, lora)
         metrics = ppo_update.ppo_update(
             model,
-            store.load("compute-advantages", advantaged),
+            turns,
             config=config.ppo,
             temperature=config.generation.temperature,
             pad_token_id=tokenizer.pad_token_id,
@@ -384,6 +395,7 @@ def ppo_update_task(config: RunConfig, version: str, parents: dict[str, str], it
             peak["cuda_peak_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
         return dataset, {
             "metrics": ppo_update.metrics_summary(metrics),
+            "audit": report.as_dict(),
             "memory": peak,
             "policy": next_policy,
             "iteration": iteration,
@@ -402,6 +414,7 @@ def ppo_update_task(config: RunConfig, version: str, parents: dict[str, str], it
 def rl_iteration(config: RunConfig, iteration: int | None = None, policy_version: str | None = None) -> dict[str, Any]:
     """One RL iteration. Without arguments: the next iteration from the store's newest policy."""
     logger = get_run_logger()
+    load_plugins(config.task.plugins)
     store = Store(config.store.runs_dir)
     store.clean_stale_tmp()
     if policy_version is None:
@@ -449,6 +462,7 @@ def rl_iteration(config: RunConfig, iteration: int | None = None, policy_version
 @flow(name="rl-training")
 def rl_training(config: RunConfig) -> list[dict[str, Any]]:
     """config.iterations RL iterations from the starting model, each one an rl-iteration run."""
+    load_plugins(config.task.plugins)
     store = Store(config.store.runs_dir)
     policy_version = import_base_policy(store, config)
     results = []

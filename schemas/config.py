@@ -30,18 +30,50 @@ class ModelConfig(Section):
 
 
 class TaskConfig(Section):
-    name: str = Field("calculator", description="Environment (task) name; see `mtrl run --help` for the choices.")
+    name: str = Field(
+        "calculator",
+        description="Environment, or a weighted mix: 'calculator', 'calculator,guess-number', 'calculator:3,weather:1'.",
+    )
     rollouts: int = Field(64, ge=1, le=100_000, description="Rollouts per iteration (tasks x group size).")
     group_size: int = Field(
         8, ge=1, le=1024, description="Samples of the same task; group-relative baselines use them."
     )
     max_turns: int = Field(4, ge=1, le=1000, description="Assistant turns before a rollout is cut (max-turns).")
+    plugins: list[str] = Field(
+        default_factory=list, description="Python modules imported first; they register tools and environments."
+    )
 
     @model_validator(mode="after")
     def _groups_divide_rollouts(self) -> TaskConfig:
         if self.rollouts % self.group_size:
             raise ValueError(f"rollouts ({self.rollouts}) must be a multiple of group_size ({self.group_size})")
+        self.mix()  # raises on a malformed mix
         return self
+
+    def mix(self) -> list[tuple[str, float]]:
+        """(environment, weight) pairs of `name`; weights default to 1."""
+        pairs = []
+        for part in self.name.split(","):
+            env, _, weight = part.strip().partition(":")
+            try:
+                value = float(weight) if weight else 1.0
+            except ValueError:
+                raise ValueError(f"task '{part}': the weight after ':' must be a number") from None
+            if not env or value <= 0:
+                raise ValueError(f"task '{part}': expected NAME or NAME:WEIGHT with a positive weight")
+            pairs.append((env, value))
+        return pairs
+
+    def groups_per_task(self) -> list[str]:
+        """The environment of each group: weights split the groups by largest remainder."""
+        mix, n_groups = self.mix(), self.rollouts // self.group_size
+        total = sum(weight for _, weight in mix)
+        exact = [n_groups * weight / total for _, weight in mix]
+        counts = [int(x) for x in exact]
+        by_remainder = sorted(range(len(mix)), key=lambda i: (counts[i] - exact[i], i))
+        for i in by_remainder[: n_groups - sum(counts)]:
+            counts[i] += 1
+        return [env for (env, _), count in zip(mix, counts) for _ in range(count)]
 
 
 class GenerationConfig(Section):
@@ -49,13 +81,15 @@ class GenerationConfig(Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (1 = off).")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0 = off).")
     max_new_tokens: int = Field(96, ge=1, le=65536, description="Tokens per assistant turn.")
-    max_context_tokens: int = Field(2048, ge=16, description="Context budget of a rollout; beyond it: truncated.")
+    max_context_tokens: int = Field(4096, ge=16, description="Context budget of a rollout; beyond it: truncated.")
     enable_thinking: bool = Field(True, description="Chat template flag; False pre-fills an empty <think> block.")
 
 
 class ToolsConfig(Section):
     timeout_s: float = Field(5.0, gt=0.0, le=3600.0, description="Wall-clock limit per tool call.")
     max_output_chars: int = Field(2000, ge=16, description="Tool output beyond this is truncated (and marked).")
+    sandbox: bool = Field(True, description="Run each call in its own killable process (else in a thread).")
+    memory_mb: int = Field(512, ge=16, description="Memory a sandboxed tool call may add.")
 
 
 class RewardConfig(Section):
@@ -99,6 +133,10 @@ class PPOConfig(Section):
     autocast: Literal["auto", "bf16", "off"] = Field("auto", description="bf16 autocast; auto = on CUDA only.")
     lora_rank: int = Field(0, ge=0, le=1024, description="Train LoRA adapters of this rank (0 = full fine-tune).")
     lora_alpha: float = Field(16.0, gt=0.0, description="LoRA alpha.")
+    audit_rescore_fraction: float = Field(
+        0.1, ge=0.0, le=1.0, description="Audit: share of rollouts re-scored by the stored policy."
+    )
+    audit_tolerance: float = Field(1e-3, gt=0.0, description="Audit: max |stored - re-scored| logprob.")
 
 
 class StoreConfig(Section):

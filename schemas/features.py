@@ -31,9 +31,11 @@ GENERATE_ROLLOUTS = Features(
         "context_token_ids": TOKENS,  # appended before generation (prompt, or generation prompt)
         "completion_token_ids": TOKENS,  # exactly the sampled tokens
         "completion_logprobs": FLOATS,  # log_softmax(logits / T) of each sampled token
-        "finish_reason": Value("string"),  # stop | length
+        "finish_reason": Value("string"),  # stop (EOS) | stop_string | length
         "thinking": Value("string"),
         "content": Value("string"),
+        "failed": Value("bool"),  # infrastructure failure: excluded from baselines and loss
+        "failure": Value("string"),
     }
 )
 
@@ -43,7 +45,7 @@ TOOL_CALL = {
     "arguments": Value("string"),  # JSON text
     "parse_error": Value("string"),  # null when the call is well formed
     "result": Value("string"),
-    "failure_kind": Value("string"),  # null, or malformed | unknown_tool | bad_arguments | raised | timeout
+    "failure_kind": Value("string"),  # null, or malformed | unknown_tool | bad_arguments | raised | timeout | crashed
 }
 
 EXECUTE_TOOLS = Features(
@@ -52,12 +54,11 @@ EXECUTE_TOOLS = Features(
         "tool_calls": List(TOOL_CALL),
         "observation": Value("string"),
         "observation_token_ids": TOKENS,  # appended after the completion
+        "next_stop": List(Value("string")),  # stop strings the environment set for the next turn
         "turn_reward": Value("float32"),
         "terminated": Value("bool"),  # natural end (final answer, solved, ...)
         "truncated": Value("bool"),  # cut: max turns, context overflow, length
-        "stop_reason": Value("string"),  # null while the rollout goes on
-        "failed": Value("bool"),  # infrastructure failure: excluded from baselines and loss
-        "failure": Value("string"),
+        "stop_reason": Value("string"),  # null while the rollout goes on; done | max_turns | ...
     }
 )
 

@@ -1,13 +1,13 @@
 """assign-rewards: environments (tasks, termination, rewards) and the stage that scores
 finished rollouts.
 
-An environment is a plain Python class:
-    sample_task(rng) -> task dict (JSON-serialisable, stored with every row)
+An environment is a plain Python class (see Environment below):
+    sample_task(rng) -> a task: a JSON-serialisable dict, stored with every row
     reset(task) -> the initial chat messages
-    step(task, turn, assistant_text, tool_calls, tool_results) -> EnvStep(observation, reward, done)
-    reward(task, final_text) -> the outcome reward of a rollout that ended naturally
+    step(task, turn, assistant_text, tool_calls, tool_results) -> EnvStep(observation, reward, done, stop)
+    reward(task, final_turn) -> the outcome reward of a rollout that ended naturally
     demonstration(task) -> an expert conversation (used to warm-start the embedded model)
-Tools are named here and implemented in stages/execute_tools.py.
+Its tools are named in `tools` and implemented in stages/execute_tools/tools.py.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class EnvStep:
     observation: list[dict[str, Any]] = field(default_factory=list)  # chat messages to append
     reward: float = 0.0  # per-turn reward, stored on the turn's row
     done: bool = False  # natural end of the episode
+    stop: list[str] | None = None  # stop strings for the next generation
 
 
 class Environment:
@@ -56,11 +57,13 @@ class Environment:
         tool_calls: list[dict[str, Any]],
         tool_results: list[str],
     ) -> EnvStep:
+        """Default: tool results are the observation; a turn without tool calls is the answer."""
         if not tool_calls:
             return EnvStep(done=True)
         return EnvStep(observation=[{"role": "tool", "content": result} for result in tool_results])
 
-    def reward(self, task: dict[str, Any], final_text: str) -> float:
+    def reward(self, task: dict[str, Any], final_turn: dict[str, Any]) -> float:
+        """Outcome reward; final_turn is the last row (content, tool_calls with results, turn)."""
         raise NotImplementedError
 
     def demonstration(self, task: dict[str, Any]) -> list[dict[str, Any]]:
@@ -73,6 +76,17 @@ def final_answer(text: str) -> str:
 
 
 _INTEGER = re.compile(r"-?\d+")
+
+
+def last_integer(text: str) -> int | None:
+    """The last integer of the visible answer (after any </think>), if there is one."""
+    numbers = _INTEGER.findall(final_answer(text))
+    return int(numbers[-1]) if numbers else None
+
+
+def tool_call(name: str, **arguments: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
 
 CALCULATOR_QUESTIONS = (
     "Evaluate {expr}.",
@@ -101,19 +115,17 @@ class CalculatorEnv(Environment):
         question = rng.choice(CALCULATOR_QUESTIONS).format(expr=expr)
         return {"question": question, "expression": expr, "answer": answer}
 
-    def reward(self, task: dict[str, Any], final_text: str) -> float:
-        numbers = _INTEGER.findall(final_answer(final_text))
-        return 1.0 if numbers and int(numbers[-1]) == task["answer"] else 0.0
+    def reward(self, task: dict[str, Any], final_turn: dict[str, Any]) -> float:
+        return 1.0 if last_integer(final_turn["content"]) == task["answer"] else 0.0
 
     def demonstration(self, task: dict[str, Any]) -> list[dict[str, Any]]:
         expr, answer = task["expression"], task["answer"]
-        call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": expr}}}
         return self.reset(task) + [
             {
                 "role": "assistant",
                 "content": "",
                 "reasoning_content": f"The user wants {expr}. I will use the calculate tool.",
-                "tool_calls": [call],
+                "tool_calls": [tool_call("calculate", expression=expr)],
             },
             {"role": "tool", "content": str(answer)},
             {
@@ -124,7 +136,108 @@ class CalculatorEnv(Environment):
         ]
 
 
-ENVIRONMENTS: dict[str, Environment] = {env.name: env for env in (CalculatorEnv(),)}
+GUESS_RANGE = (1, 100)
+GUESS_MAX_TURNS = 50
+
+
+class GuessNumberEnv(Environment):
+    """Find a hidden number with the guess tool (answers: higher, lower, correct). Long
+    horizon: up to 50 turns; the episode ends at the correct guess; fewer turns, more reward."""
+
+    name = "guess-number"
+    tools = ("guess",)
+
+    def sample_task(self, rng: random.Random) -> dict[str, Any]:
+        low, high = GUESS_RANGE
+        question = (
+            f"I am thinking of a number between {low} and {high}. Find it with the guess tool; "
+            "I will answer higher, lower or correct."
+        )
+        return {"question": question, "secret": rng.randint(low, high)}
+
+    def step(self, task, turn, assistant_text, tool_calls, tool_results) -> EnvStep:
+        if "correct" in tool_results:
+            return EnvStep(done=True)
+        return super().step(task, turn, assistant_text, tool_calls, tool_results)
+
+    def reward(self, task: dict[str, Any], final_turn: dict[str, Any]) -> float:
+        solved = any(call["result"] == "correct" for call in final_turn["tool_calls"])
+        return 1.0 - final_turn["turn"] / GUESS_MAX_TURNS if solved else 0.0
+
+    def demonstration(self, task: dict[str, Any], rng: random.Random | None = None) -> list[dict[str, Any]]:
+        """Binary search; with an rng, half of the guesses are random inside the bounds."""
+        (low, high), messages = GUESS_RANGE, self.reset(task)
+        while True:
+            number = (low + high) // 2 if rng is None or rng.random() < 0.5 else rng.randint(low, high)
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "reasoning_content": f"The number is between {low} and {high}. I will guess {number}.",
+                    "tool_calls": [tool_call("guess", number=number)],
+                }
+            )
+            if number == task["secret"]:
+                return messages
+            answer = "higher" if number < task["secret"] else "lower"
+            messages.append({"role": "tool", "content": answer})
+            low, high = (number + 1, high) if answer == "higher" else (low, number - 1)
+
+
+WEATHER_CITIES = ("Paris", "London", "Berlin", "Madrid", "Rome", "Tokyo", "Sydney", "Oslo", "Cairo", "Lima")
+
+
+class WeatherEnv(Environment):
+    """Two tools: look up two cities' temperatures (two calls in one turn), then compute the
+    difference with the calculator. Each episode has its own weather, so the agent must look."""
+
+    name = "weather"
+    tools = ("get_weather", "calculate")
+
+    def sample_task(self, rng: random.Random) -> dict[str, Any]:
+        first, second = rng.sample(WEATHER_CITIES, 2)
+        weather = {city: rng.randint(-5, 35) for city in WEATHER_CITIES}
+        question = f"How many degrees celsius warmer is {first} than {second} right now?"
+        return {
+            "question": question,
+            "cities": [first, second],
+            "weather": weather,
+            "answer": weather[first] - weather[second],
+        }
+
+    def reward(self, task: dict[str, Any], final_turn: dict[str, Any]) -> float:
+        return 1.0 if last_integer(final_turn["content"]) == task["answer"] else 0.0
+
+    def demonstration(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        (first, second), weather = task["cities"], task["weather"]
+        expression = (
+            f"{weather[first]}-({weather[second]})" if weather[second] < 0 else f"{weather[first]}-{weather[second]}"
+        )
+        return self.reset(task) + [
+            {
+                "role": "assistant",
+                "content": "",
+                "reasoning_content": f"I need the temperatures of {first} and {second}.",
+                "tool_calls": [tool_call("get_weather", location=first), tool_call("get_weather", location=second)],
+            },
+            {"role": "tool", "content": f"{weather[first]} C"},
+            {"role": "tool", "content": f"{weather[second]} C"},
+            {
+                "role": "assistant",
+                "content": "",
+                "reasoning_content": f"{first} is {weather[first]} C and {second} is {weather[second]} C.",
+                "tool_calls": [tool_call("calculate", expression=expression)],
+            },
+            {"role": "tool", "content": str(task["answer"])},
+            {
+                "role": "assistant",
+                "content": f"{first} is {task['answer']} degrees warmer than {second}.",
+                "reasoning_content": f"The tool returned {task['answer']}.",
+            },
+        ]
+
+
+ENVIRONMENTS: dict[str, Environment] = {env.name: env for env in (CalculatorEnv(), GuessNumberEnv(), WeatherEnv())}
 
 
 # ---------------------------------------------------------------------------------------
@@ -142,14 +255,16 @@ def assign_rewards(
     and the rollout stays flagged, so it is never mistaken for a scored 0.
     """
     turns = sort_turns(turns)
-    columns = turns.select_columns(["rollout_id", "task", "task_payload", "content", "stop_reason", "failed"])
+    columns = turns.select_columns(
+        ["rollout_id", "task", "task_payload", "turn", "content", "tool_calls", "stop_reason", "failed"]
+    )
     final_reward: dict[int, float] = {}
     for row in columns:  # sorted by turn: the last row seen for a rollout is its end
         if row["failed"]:
             final_reward[row["rollout_id"]] = math.nan
         elif row["stop_reason"] == "done":
             task = json.loads(row["task_payload"])
-            final_reward[row["rollout_id"]] = float(environments[row["task"]].reward(task, row["content"]))
+            final_reward[row["rollout_id"]] = float(environments[row["task"]].reward(task, row))
         elif row["stop_reason"] is not None:
             final_reward[row["rollout_id"]] = config.truncated_reward
         else:

@@ -14,7 +14,7 @@ generator, so the same seed gives the same tokens whatever else is in the batch.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,13 +38,14 @@ class Request:
     token_ids: list[int]  # the whole context the model sees
     seed: int  # seed of this turn's private generator
     max_new_tokens: int
+    stop: tuple[str, ...] = ()  # stop strings (besides the EOS tokens)
 
 
 @dataclass
 class Completion:
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" (an EOS token) or "length"
+    finish_reason: str  # "stop" (an EOS token), "stop_string" or "length"
 
 
 def sampling_seed(seed: int, iteration: int, rollout_id: int, turn: int) -> int:
@@ -125,8 +126,14 @@ class Engine:
 
     @torch.no_grad()
     def generate(
-        self, requests: Sequence[Request], temperature: float, top_k: int = 0, top_p: float = 1.0
+        self,
+        requests: Sequence[Request],
+        temperature: float,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        decode: Callable[[list[int]], str] | None = None,
     ) -> list[Completion]:
+        """Sample a completion for every request; `decode` is needed only for stop strings."""
         if not requests:
             return []
         rows = self._reusable_rows(requests)
@@ -169,6 +176,8 @@ class Engine:
                 logprobs[i].append(float(token_logprobs[i, token]))
                 if bool(torch.isin(token, self.eos_token_ids)):
                     finish[i] = "stop"
+                elif requests[i].stop and any(stop in decode(sampled[i]) for stop in requests[i].stop):
+                    finish[i] = "stop_string"
                 elif len(sampled[i]) >= limits[i]:
                     finish[i] = "length"
             progress.update()
@@ -243,7 +252,7 @@ def generate_rollouts(
         full_streams = rollout_streams(history)
         last_rows = {}
         for row in history.select_columns(
-            ["rollout_id", "group_id", "task", "task_id", "task_payload", "turn", "stop_reason"]
+            ["rollout_id", "group_id", "task", "task_id", "task_payload", "turn", "stop_reason", "next_stop"]
         ):
             if row["turn"] == turn - 1 and row["stop_reason"] is None:
                 last_rows[row["rollout_id"]] = row
@@ -251,18 +260,24 @@ def generate_rollouts(
         for rollout_id in sorted(last_rows):
             row = last_rows[rollout_id]
             rows.append({k: row[k] for k in ("rollout_id", "group_id", "task", "task_id", "task_payload")})
-            rows[-1]["context_token_ids"] = list(context)
+            rows[-1].update(context_token_ids=list(context), stop=tuple(row["next_stop"] or ()))
             streams.append(full_streams[rollout_id] + context)
 
-    requests = []
+    requests, positions = [], getattr(engine.model.config, "max_position_embeddings", None) or 10**9
     for row, stream in zip(rows, streams):
         row["sampling_seed"] = sampling_seed(seed, iteration, row["rollout_id"], turn)
         row["stream_offset"] = len(stream) - len(row["context_token_ids"])
-        budget = min(config.max_new_tokens, config.max_context_tokens - len(stream))
-        requests.append(Request(row["rollout_id"], stream, row["sampling_seed"], max(1, budget)))
-    completions = engine.generate(requests, config.temperature, config.top_k, config.top_p)
+        row["failed"], row["failure"] = False, None
+        budget = min(config.max_new_tokens, config.max_context_tokens - len(stream), positions - len(stream))
+        if budget < 1:  # this rollout cannot be continued by this model: flagged, never scored
+            row["failed"], row["failure"] = True, f"generation: context of {len(stream)} tokens leaves no room"
+            continue
+        requests.append(Request(row["rollout_id"], stream, row["sampling_seed"], budget, row.pop("stop", ())))
+    completions = iter(engine.generate(requests, config.temperature, config.top_k, config.top_p, tokenizer.decode))
 
-    for row, completion in zip(rows, completions):
+    for row in rows:
+        row.pop("stop", None)
+        completion = Completion([], [], "failed") if row["failed"] else next(completions)
         thinking, content = split_thinking(tokenizer.decode(completion.token_ids, skip_special_tokens=True))
         row.update(
             iteration=iteration,

@@ -14,9 +14,9 @@ from stages.generate_rollouts import Engine, Request, filter_logits, sampling_se
 class ColdEngine(Engine):
     """The reference path: no KV reuse, every turn re-encodes the whole context."""
 
-    def generate(self, requests, temperature, top_k=0, top_p=1.0):
+    def generate(self, requests, temperature, top_k=0, top_p=1.0, decode=None):
         self.reset()
-        return super().generate(requests, temperature, top_k, top_p)
+        return super().generate(requests, temperature, top_k, top_p, decode)
 
 
 @pytest.fixture(scope="module")

@@ -85,5 +85,5 @@ def test_observation_of_several_tool_results_is_one_user_turn(tiny):
 def test_calculator_env_samples_reproducibly():
     env = CalculatorEnv()
     a = [env.sample_task(random.Random(5)) for _ in range(2)]
-    assert a[0] == a[1] and env.reward(a[0], f"The result is {a[0]['answer']}.") == 1.0
-    assert env.reward(a[0], f"<think>\n{a[0]['answer']}\n</think>\n\nI do not know.") == 0.0
+    assert a[0] == a[1] and env.reward(a[0], {"content": f"The result is {a[0]['answer']}."}) == 1.0
+    assert env.reward(a[0], {"content": f"<think>\n{a[0]['answer']}\n</think>\n\nI do not know."}) == 0.0

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import time
 
+import toolbox
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stages.execute_tools import TOOLS, ToolCall, calculate, parse_tool_calls, run_tool_calls
+from stages.execute_tools import TOOLS, ToolCall, calculate, parse_tool_calls, run_tool_calls, tool_schema
 
 
 def test_parse_well_formed_calls_in_order():
@@ -80,27 +81,23 @@ def test_calculator_is_arithmetic_only_and_bounded():
     assert time.perf_counter() - started < 1.0
 
 
-def slow_tool(seconds: float) -> str:
-    """Sleep.
+TOOLS_UNDER_TEST = {
+    **TOOLS,
+    "slow_tool": toolbox.slow_tool,
+    "failing_tool": toolbox.failing_tool,
+    "spinning_tool": toolbox.spinning_tool,
+    "memory_hog": toolbox.memory_hog,
+    "crashing_tool": toolbox.crashing_tool,
+    "long_tool": toolbox.long_tool,
+}
 
-    Args:
-        seconds: how long
-    """
-    time.sleep(seconds)
-    return "woke up"
 
-
-def failing_tool(x: int) -> str:
-    """Always raises.
-
-    Args:
-        x: anything
-    """
-    raise RuntimeError("boom")
+def warm_up(workers: int) -> None:
+    """Start tool workers outside the timed part (a worker's start is not the tool's time)."""
+    run_tool_calls([ToolCall("slow_tool", {"seconds": 0}, None, f"w{i}") for i in range(workers)], TOOLS_UNDER_TEST, 60)
 
 
 def test_each_failure_kind_and_the_timeout():
-    tools = {**TOOLS, "slow_tool": slow_tool, "failing_tool": failing_tool}
     calls = parse_tool_calls(
         '<tool_call>{"name": "calculate", "arguments": {"expression": "2*21"}}</tool_call>'
         "<tool_call>{broken</tool_call>"
@@ -109,9 +106,11 @@ def test_each_failure_kind_and_the_timeout():
         '<tool_call>{"name": "calculate", "arguments": {"expr": "1"}}</tool_call>'
         '<tool_call>{"name": "failing_tool", "arguments": {"x": 1}}</tool_call>'
         '<tool_call>{"name": "slow_tool", "arguments": {"seconds": 30}}</tool_call>'
+        '<tool_call>{"name": "crashing_tool", "arguments": {}}</tool_call>'
     )
+    warm_up(4)
     started = time.perf_counter()
-    results = run_tool_calls(calls, tools, timeout_s=0.5)
+    results = run_tool_calls(calls, TOOLS_UNDER_TEST, timeout_s=0.5)
     assert time.perf_counter() - started < 2.0
     assert [r.error for r in results] == [
         None,
@@ -121,23 +120,97 @@ def test_each_failure_kind_and_the_timeout():
         "bad_arguments",
         "raised",
         "timeout",
+        "crashed",
     ]
     assert results[0].content == "42" and "boom" in results[5].content and "timed out" in results[6].content
 
 
-def test_parallel_calls_share_one_deadline():
-    tools = {"slow_tool": slow_tool}
-    calls = parse_tool_calls('<tool_call>{"name": "slow_tool", "arguments": {"seconds": 0.3}}</tool_call>' * 16)
+def test_a_spinning_tool_is_killed_in_time_and_its_worker_replaced():
+    warm_up(2)
     started = time.perf_counter()
-    results = run_tool_calls(calls, tools, timeout_s=5)
+    (spun, ok) = run_tool_calls(
+        [ToolCall("spinning_tool", {}, None, "a"), ToolCall("calculate", {"expression": "1+1"}, None, "b")],
+        TOOLS_UNDER_TEST,
+        timeout_s=1.0,
+    )
+    assert time.perf_counter() - started < 3.0
+    assert (spun.error, ok.content) == ("timeout", "2")
+    (again,) = run_tool_calls([ToolCall("calculate", {"expression": "2+2"}, None, "c")], TOOLS_UNDER_TEST, 30)
+    assert again.content == "4"
+
+
+def test_a_tool_that_allocates_too_much_memory_gets_an_error():
+    (result,) = run_tool_calls(
+        [ToolCall("memory_hog", {"megabytes": 4096}, None, "m")], TOOLS_UNDER_TEST, 30, memory_mb=256
+    )
+    assert result.error == "raised" and "MemoryError" in result.content
+    (small,) = run_tool_calls(
+        [ToolCall("memory_hog", {"megabytes": 64}, None, "m")], TOOLS_UNDER_TEST, 30, memory_mb=256
+    )
+    assert small.content == str(64 * 2**20)
+
+
+def test_16_parallel_calls_share_one_deadline():
+    calls = [ToolCall("slow_tool", {"seconds": 0.5}, None, f"c{i}") for i in range(16)]
+    warm_up(16)
+    started = time.perf_counter()
+    results = run_tool_calls(calls, TOOLS_UNDER_TEST, timeout_s=5)
     assert all(r.content == "woke up" for r in results)
-    assert time.perf_counter() - started < 1.5  # concurrently, not 16 x 0.3 s
+    assert time.perf_counter() - started < 3.0  # concurrently, not 16 x 0.5 s
 
 
 def test_tool_output_is_truncated_and_marked():
-    def long_tool() -> str:
-        """Long output."""
-        return "x" * 5000
+    (result,) = run_tool_calls([ToolCall("long_tool", {})], TOOLS_UNDER_TEST, 10.0, max_output_chars=100)
+    assert result.content == "x" * 100 + "... [truncated 4900 characters]"
 
-    (result,) = run_tool_calls([ToolCall("long_tool", {})], {"long_tool": long_tool}, 1.0, max_output_chars=100)
-    assert result.content.startswith("x" * 100) and "[truncated 4900 characters]" in result.content
+
+def test_the_task_is_injected_into_tools_that_take_it():
+    (result,) = run_tool_calls([ToolCall("guess", {"number": 40})], TOOLS, 10.0, task={"secret": 57})
+    assert result.content == "higher"
+    assert "task" not in tool_schema(TOOLS["guess"])["function"]["parameters"]["properties"]
+
+
+def test_tools_that_cannot_be_sent_to_a_worker_run_in_a_thread():
+    def local_tool(x: int) -> str:
+        """A closure.
+
+        Args:
+            x: a number
+        """
+        return str(x * 2)
+
+    (result,) = run_tool_calls([ToolCall("local_tool", {"x": 21})], {"local_tool": local_tool}, 5.0)
+    assert result.content == "42"
+
+
+call_lists = st.lists(
+    st.builds(
+        ToolCall,
+        name=st.sampled_from(["calculate", "guess", "nope", ""]),
+        arguments=st.dictionaries(
+            st.sampled_from(["expression", "number", "task", "x"]),
+            st.one_of(
+                st.integers(), st.text(max_size=20), st.none(), st.booleans(), st.lists(st.integers(), max_size=2)
+            ),
+            max_size=3,
+        ),
+        error=st.one_of(st.none(), st.just("broken")),
+        id=st.text(max_size=4),
+    ),
+    max_size=6,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(call_lists)
+def test_run_tool_calls_never_raises_and_flags_every_failure(calls):
+    results = run_tool_calls(calls, TOOLS, timeout_s=10.0, task={"secret": 3})
+    assert len(results) == len(calls)
+    for call, result in zip(calls, results):
+        assert isinstance(result.content, str)
+        if call.error is not None:
+            assert result.error == "malformed"
+        elif call.name not in TOOLS:
+            assert result.error == "unknown_tool"
+        if result.error is None:
+            assert not result.content.startswith("Error")

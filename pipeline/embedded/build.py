@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from stages.assign_rewards import CalculatorEnv
+from stages.assign_rewards import ENVIRONMENTS, CalculatorEnv
 from stages.execute_tools import TOOLS, calculate, tool_schema
 
 HERE = Path(__file__).resolve().parent
@@ -135,11 +135,12 @@ def flawed_demonstration(env: CalculatorEnv, task: dict[str, Any], rng: random.R
     return episode
 
 
-def encode_batch(tokenizer, conversations, tools) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded input ids, attention mask and labels (-100 outside assistant tokens)."""
+def encode_batch(tokenizer, conversations) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded input ids, attention mask and labels (-100 outside assistant tokens) of
+    (messages, tools) pairs."""
     encoded = [
-        tokenizer.apply_chat_template(c, tools=tools, return_assistant_tokens_mask=True, return_dict=True)
-        for c in conversations
+        tokenizer.apply_chat_template(messages, tools=tools, return_assistant_tokens_mask=True, return_dict=True)
+        for messages, tools in conversations
     ]
     width = max(len(e["input_ids"]) for e in encoded)
     ids = torch.full((len(encoded), width), tokenizer.pad_token_id, dtype=torch.long)
@@ -158,32 +159,41 @@ def encode_batch(tokenizer, conversations, tools) -> tuple[torch.Tensor, torch.T
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, n: int = 64, temperature: float = 1.0, seed: int = 1234) -> dict[str, float]:
-    """Run the calculator episode on n fixed tasks with the real rollout code; report rates:
-    a well-formed first tool call, a first call that computes the answer, a correct final answer."""
+def evaluate(
+    model, tokenizer, n: int = 64, temperature: float = 1.0, seed: int = 1234, tasks: tuple[str, ...] = ("calculator",)
+) -> dict[str, float]:
+    """Run each task's episodes on n fixed tasks with the real rollout code. calculator:
+    well-formed first call, first call computing the answer, correct final answer;
+    guess-number: solved within 50 turns, mean turns to solve; weather: correct answer."""
     from pipeline.episodes import rollout_metrics, run_episodes
     from pipeline.models import eos_token_ids
     from schemas.config import RunConfig
     from stages.generate_rollouts import Engine
 
-    config = RunConfig(
-        seed=seed,
-        task={"name": "calculator", "rollouts": n, "group_size": 1, "max_turns": 3},
-        generation={"temperature": temperature},
-    )
     engine = Engine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model))
-    turns = run_episodes(engine, tokenizer, config)
-    first = turns.filter(lambda row: row["turn"] == 0, keep_in_memory=True)
-    well_formed = [bool(calls) and all(c["failure_kind"] is None for c in calls) for calls in first["tool_calls"]]
-    right = [
-        any(c["result"] == str(json.loads(payload)["answer"]) for c in calls)
-        for calls, payload in zip(first["tool_calls"], first["task_payload"])
-    ]
-    return {
-        "tool_call_rate": sum(well_formed) / n,
-        "right_call_rate": sum(right) / n,
-        "success_rate": rollout_metrics(turns)["success_rate"],
-    }
+    results: dict[str, float] = {}
+    for task in tasks:
+        max_turns = {"calculator": 3, "guess-number": 50, "weather": 4}[task]
+        config = RunConfig(
+            seed=seed,
+            task={"name": task, "rollouts": n, "group_size": 1, "max_turns": max_turns},
+            generation={"temperature": temperature},
+        )
+        turns = run_episodes(engine, tokenizer, config)
+        metrics = rollout_metrics(turns)
+        prefix = "" if task == "calculator" else f"{task}/"
+        results[f"{prefix}success_rate"] = metrics["success_rate"]
+        if task == "calculator":
+            first = turns.filter(lambda row: row["turn"] == 0, keep_in_memory=True)
+            calls, payloads = first["tool_calls"], first["task_payload"]
+            results["tool_call_rate"] = sum(bool(c) and all(x["failure_kind"] is None for x in c) for c in calls) / n
+            results["right_call_rate"] = (
+                sum(any(x["result"] == str(json.loads(p)["answer"]) for x in c) for c, p in zip(calls, payloads)) / n
+            )
+        if task == "guess-number":
+            results["guess-number/mean_turns_to_solve"] = metrics["mean_turns_to_solve"]
+            results["guess-number/mean_turns"] = metrics["mean_turns"]
+    return results
 
 
 # ----------------------------------------------------------------------------- training
@@ -201,9 +211,9 @@ def train(
     seed: int,
     eval_every: int,
     log: list[dict[str, Any]],
+    eval_tasks: tuple[str, ...] = ("calculator",),
 ) -> None:
-    env = CalculatorEnv()
-    tools = tool_schemas(env.tools)
+    """SFT on make_conversation(rng) -> (messages, tools), loss on assistant tokens only."""
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
 
@@ -217,7 +227,7 @@ def train(
     start = time.time()
     for step in range(1, steps + 1):
         model.train()
-        ids, attention, labels = encode_batch(tokenizer, [make_conversation(rng) for _ in range(batch_size)], tools)
+        ids, attention, labels = encode_batch(tokenizer, [make_conversation(rng) for _ in range(batch_size)])
         loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -227,7 +237,7 @@ def train(
         if step % eval_every == 0 or step == steps:
             model.eval()
             row = {"step": step, "loss": round(loss.item(), 4), "train_s": round(time.time() - start, 1)}
-            row.update(evaluate(model, tokenizer))
+            row.update(evaluate(model, tokenizer, tasks=eval_tasks))
             log.append(row)
             print(json.dumps(row), flush=True)
 
@@ -262,11 +272,12 @@ def build_expert(seed: int, steps: int, out_dir: Path) -> None:
     )
     model = Qwen3ForCausalLM(config)
     env = CalculatorEnv()
+    tools = tool_schemas(env.tools)
     log: list[dict[str, Any]] = []
     train(
         model,
         tokenizer,
-        lambda rng: env.demonstration(env.sample_task(rng)),
+        lambda rng: (env.demonstration(env.sample_task(rng)), tools),
         steps=steps,
         lr=3e-3,
         warmup=30,
@@ -279,17 +290,32 @@ def build_expert(seed: int, steps: int, out_dir: Path) -> None:
     save(model, tokenizer, out_dir, {**info, "final_evaluation": evaluate(model, tokenizer, n=256)})
 
 
+TASK_MIX = (("calculator", 0.45), ("guess-number", 0.35), ("weather", 0.2))  # shares of SFT episodes
+ALL_TASKS = tuple(name for name, _ in TASK_MIX)
+
+
 def build_policy(seed: int, steps: int, flawed_fraction: float, in_dir: Path, out_dir: Path) -> None:
+    """Fine-tune the calculator expert on a mix of tasks: calculator episodes, flawed with
+    probability flawed_fraction; guess-number searches that guess the midpoint half of the
+    time and a random number inside the bounds otherwise; correct weather episodes."""
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(in_dir)
     model = Qwen3ForCausalLM.from_pretrained(in_dir, dtype=torch.float32)
-    env = CalculatorEnv()
+    environments = {name: ENVIRONMENTS[name] for name in ALL_TASKS}
+    tools = {name: tool_schemas(env.tools) for name, env in environments.items()}
 
-    def conversation(rng: random.Random) -> list[dict[str, Any]]:
+    def conversation(rng: random.Random) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        name = rng.choices([n for n, _ in TASK_MIX], weights=[w for _, w in TASK_MIX])[0]
+        env = environments[name]
         task = env.sample_task(rng)
-        return flawed_demonstration(env, task, rng) if rng.random() < flawed_fraction else env.demonstration(task)
+        if name == "calculator":
+            flawed = rng.random() < flawed_fraction
+            return (flawed_demonstration(env, task, rng) if flawed else env.demonstration(task)), tools[name]
+        if name == "guess-number":
+            return env.demonstration(task, rng), tools[name]
+        return env.demonstration(task), tools[name]
 
-    log: list[dict[str, Any]] = [{"step": 0, **evaluate(model, tokenizer)}]
+    log: list[dict[str, Any]] = [{"step": 0, **evaluate(model, tokenizer, tasks=ALL_TASKS)}]
     print(json.dumps(log[0]), flush=True)
     train(
         model,
@@ -300,23 +326,22 @@ def build_policy(seed: int, steps: int, flawed_fraction: float, in_dir: Path, ou
         warmup=10,
         batch_size=16,
         seed=seed,
-        eval_every=25,
+        eval_every=100,
         log=log,
+        eval_tasks=ALL_TASKS,
     )
     command = f"build policy --seed {seed} --steps {steps} --flawed-fraction {flawed_fraction}"
-    save(
-        model,
-        tokenizer,
-        out_dir,
-        {"command": command, "log": log, "final_evaluation": evaluate(model, tokenizer, n=256)},
+    final = evaluate(model, tokenizer, n=256, tasks=("calculator",)) | evaluate(
+        model, tokenizer, n=64, tasks=ALL_TASKS[1:]
     )
+    save(model, tokenizer, out_dir, {"command": command, "log": log, "final_evaluation": final})
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["tokenizer", "expert", "policy"])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=None, help="expert: 1000, policy: 100")
+    parser.add_argument("--steps", type=int, default=None, help="expert: 1000, policy: 400")
     parser.add_argument("--flawed-fraction", type=float, default=0.7, help="policy: share of flawed episodes")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--threads", type=int, default=2)
@@ -327,7 +352,7 @@ def main() -> None:
     elif args.what == "expert":
         build_expert(args.seed, args.steps or 1000, args.out or EXPERT_DIR)
     else:
-        build_policy(args.seed, args.steps or 100, args.flawed_fraction, EXPERT_DIR, args.out or POLICY_DIR)
+        build_policy(args.seed, args.steps or 400, args.flawed_fraction, EXPERT_DIR, args.out or POLICY_DIR)
 
 
 if __name__ == "__main__":

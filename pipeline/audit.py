@@ -1,0 +1,184 @@
+"""The audit: checks a stage's dataset before anything trains on it.
+
+A silent misalignment between tokens, logprobs and advantages wrecks a run without an error,
+so ppo-update refuses data that fails any of these checks, with a message naming the rollout,
+the turn and what is wrong (also available as `mtrl audit STAGE/VERSION`):
+
+  contiguous     each rollout's turns are 0..n-1, and only its last turn has a stop reason
+  stream         stream_offset of every turn equals the tokens of the turns before it; turn 0's
+                 context is the chat-template rendering of the task's first messages; later
+                 contexts are the generation prompt; the observation text decodes from its tokens
+  lengths        one logprob (and advantage, return, value, ref logprob) per completion token
+  logprobs       finite and <= 0
+  advantages     finite; failed rollouts carry none
+  policy         the policy version that generated the rows is in the store
+  rescore        a sample of rollouts re-scored by the stored policy agrees with the stored
+                 logprobs within a tolerance
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import datasets
+import numpy as np
+
+from pipeline.store import POLICY, Store
+from schemas.token_stream import generation_prompt_ids, prompt_token_ids
+from stages import assign_rewards, execute_tools, ppo_update
+
+
+class AuditError(ValueError):
+    """A dataset that must not be trained on."""
+
+
+@dataclass
+class AuditReport:
+    checks: dict[str, int] = field(default_factory=dict)  # check -> problems found
+    problems: list[str] = field(default_factory=list)  # the first problems, precisely
+    rescore_max_abs_diff: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def add(self, check: str, problem: str | None = None) -> None:
+        self.checks.setdefault(check, 0)
+        if problem is not None:
+            self.checks[check] += 1
+            if len(self.problems) < 20:
+                self.problems.append(f"{check}: {problem}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "checks": self.checks,
+            "problems": self.problems,
+            "rescore_max_abs_diff": self.rescore_max_abs_diff,
+        }
+
+
+def _rows_by_rollout(turns: datasets.Dataset) -> dict[int, list[dict[str, Any]]]:
+    by_rollout: dict[int, list[dict[str, Any]]] = {}
+    for index, row in enumerate(turns):
+        by_rollout.setdefault(row["rollout_id"], []).append({**row, "_row": index})
+    return {r: sorted(rows, key=lambda x: x["turn"]) for r, rows in sorted(by_rollout.items())}
+
+
+def audit(
+    turns: datasets.Dataset,
+    store: Store,
+    tokenizer: Any,
+    *,
+    enable_thinking: bool,
+    rescore_fraction: float = 0.1,
+    rescore_tolerance: float = 1e-3,
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> AuditReport:
+    """Check a generate/execute/assign/compute dataset (columns it lacks are not checked)."""
+    report = AuditReport()
+    columns = set(turns.column_names)
+    rollouts = _rows_by_rollout(turns)
+    prompt_tokens = generation_prompt_ids(tokenizer, enable_thinking)
+    for rollout_id, rows in rollouts.items():
+        where = f"rollout {rollout_id}"
+        turns_seen = [row["turn"] for row in rows]
+        report.add("contiguous", None if turns_seen == list(range(len(rows))) else f"{where} has turns {turns_seen}")
+        if "stop_reason" in columns:
+            stops = [row["stop_reason"] is not None for row in rows]
+            if any(stops[:-1]):
+                report.add("contiguous", f"{where}: turn {stops.index(True)} has a stop reason but is not the last")
+        offset = 0
+        for row in rows:
+            at = f"{where} turn {row['turn']}"
+            report.add(
+                "stream",
+                None
+                if row["stream_offset"] == offset
+                else f"{at}: stream_offset {row['stream_offset']}, but the turns before it hold {offset} tokens",
+            )
+            if row["turn"] == 0:
+                environment = assign_rewards.ENVIRONMENTS.get(row["task"])
+                if environment is not None:
+                    tools = [execute_tools.tool_schema(execute_tools.TOOLS[t]) for t in environment.tools]
+                    messages = environment.reset(json.loads(row["task_payload"]))
+                    expected = prompt_token_ids(tokenizer, messages, tools, enable_thinking)
+                    report.add(
+                        "stream",
+                        None
+                        if row["context_token_ids"] == expected
+                        else f"{at}: the context is not the rendered prompt of its task",
+                    )
+            elif row["context_token_ids"] != prompt_tokens:
+                report.add("stream", f"{at}: the context is not the generation prompt")
+            if "observation" in columns and row["observation"] != tokenizer.decode(row["observation_token_ids"]):
+                report.add("stream", f"{at}: the observation text does not decode from its tokens")
+            offset = row["stream_offset"] + len(row["context_token_ids"]) + len(row["completion_token_ids"])
+            offset += len(row.get("observation_token_ids") or [])
+
+            n = len(row["completion_token_ids"])
+            for name in ("completion_logprobs", "advantages", "returns"):
+                if name in columns and len(row[name]) != n:
+                    report.add("lengths", f"{at}: {len(row[name])} {name} for {n} completion tokens")
+            for name in ("values", "ref_logprobs"):
+                if name in columns and row[name] and len(row[name]) != n:
+                    report.add("lengths", f"{at}: {len(row[name])} {name} for {n} completion tokens")
+            report.add("lengths")
+            logprobs = np.asarray(row["completion_logprobs"], dtype=np.float64)
+            bad = np.flatnonzero(~np.isfinite(logprobs) | (logprobs > 0))
+            report.add(
+                "logprobs",
+                None
+                if not bad.size
+                else f"{at}: logprob {logprobs[bad[0]]} at completion token {bad[0]} (must be finite and <= 0)",
+            )
+            if "advantages" in columns:
+                advantages = np.asarray(row["advantages"], dtype=np.float64)
+                bad = np.flatnonzero(~np.isfinite(advantages))
+                report.add(
+                    "advantages",
+                    None if not bad.size else f"{at}: advantage {advantages[bad[0]]} at completion token {bad[0]}",
+                )
+                if row.get("failed") and np.any(advantages != 0):
+                    report.add("advantages", f"{at}: a failed rollout carries non-zero advantages")
+    for policy in sorted(set(turns["policy_version"])):
+        report.add("policy", None if store.exists(POLICY, policy) else f"policy {policy} is not in the store")
+
+    if rescore_fraction > 0 and report.checks.get("policy") == 0 and rollouts:
+        report.rescore_max_abs_diff = _rescore(
+            turns, store, rollouts, rescore_fraction, temperature, seed, tokenizer.pad_token_id
+        )
+        report.add(
+            "rescore",
+            None
+            if report.rescore_max_abs_diff <= rescore_tolerance
+            else f"stored logprobs differ from the stored policy's by up to {report.rescore_max_abs_diff:.3g} "
+            f"(tolerance {rescore_tolerance:g})",
+        )
+    return report
+
+
+def _rescore(turns, store, rollouts, fraction, temperature, seed, pad_token_id) -> float:
+    """Max |stored - recomputed| logprob over a seeded sample of rollouts of each policy."""
+    from pipeline.models import load_model
+
+    rng = random.Random(seed)
+    chosen = sorted(rng.sample(sorted(rollouts), max(1, math.ceil(fraction * len(rollouts)))))
+    rows = [row["_row"] for r in chosen for row in rollouts[r]]
+    sample = turns.select(rows)
+    worst = 0.0
+    for policy in sorted(set(sample["policy_version"])):
+        part = sample.select([i for i, v in enumerate(sample["policy_version"]) if v == policy])
+        model = load_model(store.policy_dir(policy), "float32", "cpu")
+        recomputed, _ = ppo_update.score_rollouts(
+            model, part, temperature=temperature, pad_token_id=pad_token_id, chunk_tokens=1024, batch_rollouts=8
+        )
+        for stored, fresh in zip(part["completion_logprobs"], recomputed):
+            if stored and len(stored) == len(fresh):  # a length mismatch is the lengths check's
+                worst = max(worst, float(np.max(np.abs(np.asarray(stored) - np.asarray(fresh)))))
+    return worst

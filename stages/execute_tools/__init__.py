@@ -1,0 +1,169 @@
+"""execute-tools: parse the Hermes tool calls of each assistant turn, run them, and append
+the tool/environment observation to the rollout as exact chat-template delta tokens.
+
+Reads one generate-rollouts round; writes one row per rollout turn with everything known
+about that turn (generation columns + tool calls + observation + termination).
+
+    tools.py   built-in tools (calculate, get_weather, guess), the registry, JSON schemas
+    calls.py   parse_tool_calls, argument validation, run_tool_calls (killable processes)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import datasets
+
+from schemas.config import GenerationConfig, TaskConfig, ToolsConfig
+from schemas.features import EXECUTE_TOOLS, dataset_from_rows
+from schemas.token_stream import generation_prompt_ids, observation_token_ids
+from stages.execute_tools.calls import (
+    FAILURE_KINDS,
+    ToolCall,
+    ToolResult,
+    parse_tool_calls,
+    run_tool_calls,
+    tool_schema,
+    validate_arguments,
+)
+from stages.execute_tools.tools import TOOLS, calculate, get_weather, guess
+
+__all__ = [
+    "FAILURE_KINDS",
+    "TOOLS",
+    "ToolCall",
+    "ToolResult",
+    "calculate",
+    "execute_tools",
+    "failure_counts",
+    "get_weather",
+    "guess",
+    "parse_tool_calls",
+    "run_tool_calls",
+    "tool_schema",
+    "validate_arguments",
+]
+
+
+# ---------------------------------------------------------------------------------------
+# The stage
+# ---------------------------------------------------------------------------------------
+
+
+def _step_turn(
+    row: dict[str, Any],
+    environment: Any,
+    tools: dict[str, Callable[..., Any]],
+    tokenizer: Any,
+    task_config: TaskConfig,
+    tools_config: ToolsConfig,
+    generation_config: GenerationConfig,
+) -> dict[str, Any]:
+    """Tools, observation and termination of one rollout turn (never raises)."""
+    out: dict[str, Any] = {
+        "tool_calls": [],
+        "observation": "",
+        "observation_token_ids": [],
+        "next_stop": [],
+        "turn_reward": 0.0,
+        "terminated": False,
+        "truncated": False,
+        "stop_reason": None,
+        "failed": bool(row["failed"]),
+        "failure": row["failure"],
+    }
+    if row["failed"]:  # generation failed for this rollout: flagged, never scored
+        return {**out, "stop_reason": "failed"}
+    if row["finish_reason"] == "length":  # cut mid-answer: nothing to execute
+        return {**out, "truncated": True, "stop_reason": "length"}
+    task = json.loads(row["task_payload"])
+    calls = parse_tool_calls(row["content"])
+    own_tools = {name: tools[name] for name in environment.tools}  # an agent only has its task's tools
+    results = run_tool_calls(
+        calls,
+        own_tools,
+        tools_config.timeout_s,
+        tools_config.max_output_chars,
+        task=task,
+        sandbox=tools_config.sandbox,
+        memory_mb=tools_config.memory_mb,
+    )
+    out["tool_calls"] = [
+        {
+            "id": call.id,
+            "name": call.name,
+            "arguments": json.dumps(call.arguments),
+            "parse_error": call.error,
+            "result": result.content,
+            "failure_kind": result.error,
+        }
+        for call, result in zip(calls, results)
+    ]
+    crashed = [result.content for result in results if result.error == "crashed"]
+    if crashed:  # the tool's process died: an infrastructure failure, not the agent's
+        return {**out, "failed": True, "failure": crashed[0][:1000], "stop_reason": "failed"}
+    try:
+        step = environment.step(
+            task,
+            row["turn"],
+            row["content"],
+            [{"name": c.name, "arguments": c.arguments} for c in calls],
+            [r.content for r in results],
+        )
+        observation = observation_token_ids(tokenizer, step.observation) if not step.done else []
+    except Exception as exc:  # an environment bug fails this rollout, visibly, not the run
+        failure = f"environment '{row['task']}' raised {exc.__class__.__name__}: {exc}"
+        return {**out, "failed": True, "failure": failure[:1000], "stop_reason": "failed"}
+    out["turn_reward"] = float(step.reward)
+    if step.done:
+        return {**out, "terminated": True, "stop_reason": "done"}
+    if row["turn"] + 1 >= task_config.max_turns:
+        return {**out, "truncated": True, "stop_reason": "max_turns"}
+    if row["finish_reason"] == "stop_string":  # the turn was cut at a stop string: close it
+        observation = [tokenizer.eos_token_id, *observation]
+    next_prompt = generation_prompt_ids(tokenizer, generation_config.enable_thinking)
+    used = row["stream_offset"] + len(row["context_token_ids"]) + len(row["completion_token_ids"])
+    if used + len(observation) + len(next_prompt) >= generation_config.max_context_tokens:
+        return {**out, "truncated": True, "stop_reason": "context_overflow"}
+    out["observation_token_ids"] = observation
+    out["observation"] = tokenizer.decode(observation)
+    out["next_stop"] = list(step.stop or [])
+    return out
+
+
+def execute_tools(
+    turns: datasets.Dataset,
+    tokenizer: Any,
+    environments: dict[str, Any],
+    tools: dict[str, Callable[..., Any]],
+    *,
+    task_config: TaskConfig,
+    tools_config: ToolsConfig,
+    generation_config: GenerationConfig,
+    max_workers: int = 8,
+) -> datasets.Dataset:
+    """Run the tool calls of one generate-rollouts round and decide which rollouts go on."""
+    rows = list(turns)
+    with ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="mtrl-turn") as pool:
+        outputs = list(
+            pool.map(
+                lambda row: _step_turn(
+                    row, environments[row["task"]], tools, tokenizer, task_config, tools_config, generation_config
+                ),
+                rows,
+            )
+        )
+    return dataset_from_rows([{**row, **out} for row, out in zip(rows, outputs)], EXECUTE_TOOLS)
+
+
+def failure_counts(dataset: datasets.Dataset) -> dict[str, int]:
+    """Tool failures by kind over a dataset of turns (for manifests and metrics)."""
+    counts = dict.fromkeys(FAILURE_KINDS, 0)
+    for calls in dataset["tool_calls"]:
+        for call in calls:
+            if call["failure_kind"]:
+                counts[call["failure_kind"]] += 1
+    return counts

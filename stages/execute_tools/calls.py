@@ -1,0 +1,336 @@
+"""Tool calls: parse Hermes/Qwen3 <tool_call> blocks, validate arguments against the tool's
+schema, and run the calls of one message concurrently, each in a killable process.
+
+Nothing here raises on model output. Every failure becomes a ToolResult whose `content` the
+model can read and whose `error` is one of FAILURE_KINDS.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import inspect
+import json
+import re
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers.utils import get_json_schema
+
+from stages.execute_tools.tools import INJECTED_PARAMETERS
+
+FAILURE_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout", "crashed")
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+    error: str | None = None  # None, or what is malformed about this call
+    id: str = ""
+
+
+@dataclass
+class ToolResult:
+    content: str  # what goes into <tool_response>
+    error: str | None = None  # None, or the failure kind: one of FAILURE_KINDS
+    call_id: str = ""
+
+
+@functools.cache
+def tool_schema(tool: Callable[..., Any]) -> dict[str, Any]:
+    """The JSON schema the chat template shows the model (OpenAI's function format), from the
+    signature and docstring; injected parameters and transformers' "return" entry are left out."""
+    schema = get_json_schema(tool)
+    function = schema["function"]
+    function.pop("return", None)
+    parameters = function.get("parameters", {})
+    for name in INJECTED_PARAMETERS:
+        parameters.get("properties", {}).pop(name, None)
+        if name in parameters.get("required", []):
+            parameters["required"].remove(name)
+    return schema
+
+
+# ----------------------------------------------------------------------------- parsing
+
+_CALL_BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
+
+
+def _parse_one(body: str, closed: bool, index: int) -> ToolCall:
+    call_id = f"call_{index}"
+    if not closed:
+        return ToolCall("", {}, "unclosed <tool_call> block", call_id)
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        return ToolCall("", {}, f"tool call is not valid JSON: {str(exc)[:200]}", call_id)
+    if not isinstance(payload, dict):
+        return ToolCall("", {}, "tool call must be a JSON object with 'name' and 'arguments'", call_id)
+    name, arguments = payload.get("name"), payload.get("arguments", {})
+    if not isinstance(name, str) or not name:
+        return ToolCall("", {}, "tool call has no 'name' string", call_id)
+    if isinstance(arguments, str):  # some models emit the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            return ToolCall(name, {}, "'arguments' is a string but not valid JSON", call_id)
+    if not isinstance(arguments, dict):
+        return ToolCall(name, {}, "'arguments' must be a JSON object", call_id)
+    return ToolCall(name, arguments, None, call_id)
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """Every <tool_call> block of an assistant message, in order. Never raises."""
+    if not isinstance(text, str):
+        return [ToolCall("", {}, "assistant message is not text", "call_0")]
+    return [
+        _parse_one(match.group(1), match.group(2) == "</tool_call>", index)
+        for index, match in enumerate(_CALL_BLOCK.finditer(text))
+    ]
+
+
+# ----------------------------------------------------------------------------- validation
+
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "array": (list,),
+    "object": (dict,),
+}
+
+
+def validate_arguments(schema: dict[str, Any], arguments: dict[str, Any]) -> str | None:
+    """A message the model can read if the arguments do not fit the schema, else None."""
+    parameters = schema["function"].get("parameters", {})
+    properties = parameters.get("properties", {})
+    missing = [name for name in parameters.get("required", []) if name not in arguments]
+    if missing:
+        return f"missing required argument(s): {', '.join(missing)}"
+    unknown = [name for name in arguments if name not in properties]
+    if unknown:
+        return f"unknown argument(s): {', '.join(unknown)}; expected: {', '.join(properties)}"
+    for name, value in arguments.items():
+        expected = properties[name].get("type")
+        allowed = _JSON_TYPES.get(expected, (object,)) if isinstance(expected, str) else (object,)
+        if isinstance(value, bool) and expected in ("integer", "number"):
+            allowed = ()  # JSON true is not a number
+        if not isinstance(value, allowed):
+            return f"argument '{name}' must be of type {expected}, got {type(value).__name__}"
+        if "enum" in properties[name] and value not in properties[name]["enum"]:
+            return f"argument '{name}' must be one of {properties[name]['enum']}"
+    return None
+
+
+def _check(call: ToolCall, tools: dict[str, Callable[..., Any]]) -> ToolResult | None:
+    """The error result of a call that must not run at all, else None."""
+    if call.error is not None:
+        return ToolResult(f"Error: {call.error}", "malformed", call.id)
+    if call.name not in tools:
+        return ToolResult(f"Error: unknown tool '{call.name}'; available: {', '.join(tools)}", "unknown_tool", call.id)
+    problem = validate_arguments(tool_schema(tools[call.name]), call.arguments)
+    if problem is not None:
+        return ToolResult(f"Error: {problem}", "bad_arguments", call.id)
+    return None
+
+
+# ----------------------------------------------------------------------------- running
+
+WORKER_SCRIPT = Path(__file__).with_name("worker.py")
+
+
+def _truncate(text: str, max_chars: int) -> str:
+    if len(text) <= max_chars:
+        return text
+    return text[:max_chars] + f"... [truncated {len(text) - max_chars} characters]"
+
+
+class _Worker:
+    """One tool process (worker.py): JSON lines in and out, killed when a call overruns."""
+
+    def __init__(self, memory_mb: int):
+        self.memory_mb = memory_mb
+        self.modules: set[str] = set()
+        self.process = subprocess.Popen(
+            [sys.executable, str(WORKER_SCRIPT), str(memory_mb)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+            start_new_session=True,  # a signal to our process group does not reach it mid-call
+        )
+        self.process.stdin.write(json.dumps(sys.path) + "\n")
+        self.process.stdin.flush()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        return self._readline(time.monotonic() + timeout_s) is not None
+
+    def preload(self, modules: set[str], timeout_s: float) -> bool:
+        """Load tool modules now, so that a call's deadline does not pay for the import."""
+        missing = modules - self.modules
+        if not missing:
+            return True
+        files = {name: getattr(sys.modules[name], "__file__", None) for name in missing}
+        try:
+            self.process.stdin.write(json.dumps({"import": files}) + "\n")
+            self.process.stdin.flush()
+        except OSError:
+            return False
+        if self._readline(time.monotonic() + timeout_s) is None:
+            return False
+        self.modules |= missing
+        return True
+
+    def _readline(self, deadline: float) -> str | None:
+        ready, _, _ = select.select([self.process.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        return self.process.stdout.readline() if ready else None
+
+    def call(self, tool: Callable[..., Any], arguments: dict, deadline: float, max_chars: int) -> ToolResult | None:
+        """The result, or None when the worker overran the deadline or died (then it is killed)."""
+        request = {"module": tool.__module__, "name": tool.__qualname__, "arguments": arguments, "max_chars": max_chars}
+        try:
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+            line = self._readline(deadline)
+            if line:
+                reply = json.loads(line)
+                return ToolResult(str(reply["content"]), reply["error"])
+        except (OSError, ValueError, KeyError):
+            pass
+        self.kill()
+        return None
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            self.process.kill()
+        self.process.wait()
+
+
+class _WorkerPool:
+    """Idle tool workers, started ahead of any deadline (a worker imports the tools once)."""
+
+    STARTUP_TIMEOUT_S = 120.0
+
+    def __init__(self) -> None:
+        self._idle: list[_Worker] = []
+        self._lock = threading.Lock()
+        atexit.register(self.close)
+
+    def reserve(self, count: int, memory_mb: int, modules: set[str]) -> list[_Worker]:
+        """Workers ready to call tools of these modules (fewer if some fail to start)."""
+        with self._lock:
+            taken = [w for w in self._idle if w.memory_mb == memory_mb and w.alive()][:count]
+            self._idle = [w for w in self._idle if w not in taken]
+        started = [_Worker(memory_mb) for _ in range(count - len(taken))]
+        ready = []
+        for worker in taken + started:
+            if (worker in taken or worker.wait_ready(self.STARTUP_TIMEOUT_S)) and worker.preload(
+                modules, self.STARTUP_TIMEOUT_S
+            ):
+                ready.append(worker)
+            else:
+                worker.kill()
+        return ready
+
+    def release(self, workers: list[_Worker]) -> None:
+        with self._lock:
+            self._idle += [w for w in workers if w.alive()]
+
+    def close(self) -> None:
+        with self._lock:
+            for worker in self._idle:
+                worker.kill()
+            self._idle = []
+
+
+_POOL = _WorkerPool()
+
+
+def _sendable(tool: Callable[..., Any]) -> bool:
+    """Can a worker import this tool by name (a module-level function)?"""
+    module = sys.modules.get(getattr(tool, "__module__", None) or "")
+    target = module
+    for part in getattr(tool, "__qualname__", "<lambda>").split("."):
+        target = getattr(target, part, None)
+    return module is not None and module.__name__ != "__main__" and target is tool
+
+
+def _call_in_thread(tool: Callable[..., Any], arguments: dict, max_chars: int) -> ToolResult:
+    try:
+        return ToolResult(_truncate(str(tool(**arguments)), max_chars))
+    except Exception as exc:  # a tool that raises gives the model an error message, not a crash
+        return ToolResult(_truncate(f"Error: {exc.__class__.__name__}: {exc}", max_chars), "raised")
+
+
+def run_tool_calls(
+    calls: list[ToolCall],
+    tools: dict[str, Callable[..., Any]],
+    timeout_s: float,
+    max_output_chars: int = 2000,
+    *,
+    task: dict[str, Any] | None = None,
+    sandbox: bool = True,
+    memory_mb: int = 512,
+) -> list[ToolResult]:
+    """Run the calls of one message concurrently. Never raises; failures become error results.
+
+    With `sandbox` each call runs in a separate worker process with a memory limit, killed
+    at the deadline (and replaced). Tools a worker cannot import by name (lambdas, closures,
+    functions of __main__) run in a thread, which is abandoned, not killed, at the deadline.
+    `task` is passed to tools that take a `task` parameter.
+    """
+    rejected = [_check(call, tools) for call in calls]
+    runnable = [i for i, rejection in enumerate(rejected) if rejection is None]  # call indexes
+    isolated = [i for i in runnable if sandbox and _sendable(tools[calls[i].name])]
+    modules = {tools[calls[i].name].__module__ for i in isolated}
+    workers = _POOL.reserve(len(isolated), memory_mb, modules) if isolated else []
+    worker_of = dict(zip(isolated, workers))
+    deadline = time.monotonic() + timeout_s  # the calls run concurrently: one shared deadline
+
+    def run(index: int) -> ToolResult:
+        call, tool = calls[index], tools[calls[index].name]
+        arguments = dict(call.arguments)
+        for name in INJECTED_PARAMETERS:
+            if name in inspect.signature(tool).parameters:
+                arguments[name] = task
+        if index not in isolated:
+            return _call_in_thread(tool, arguments, max_output_chars)
+        if index not in worker_of:
+            return ToolResult(f"Error: no worker process could start for tool '{call.name}'", "crashed")
+        result = worker_of[index].call(tool, arguments, deadline, max_output_chars)
+        if result is not None:
+            return result
+        if time.monotonic() >= deadline:
+            return ToolResult(f"Error: tool '{call.name}' timed out after {timeout_s:g} s", "timeout")
+        return ToolResult(f"Error: tool '{call.name}' crashed its worker process", "crashed")
+
+    pool = ThreadPoolExecutor(max_workers=max(1, min(16, len(runnable))), thread_name_prefix="mtrl-tool")
+    futures = {i: pool.submit(run, i) for i in runnable}
+    results = []
+    for index, (call, rejection) in enumerate(zip(calls, rejected)):
+        result = rejection
+        if result is None:
+            try:
+                # a worker is killed at the deadline; the extra second covers the kill
+                result = futures[index].result(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+            except FutureTimeout:
+                result = ToolResult(f"Error: tool '{call.name}' timed out after {timeout_s:g} s", "timeout")
+        results.append(ToolResult(result.content, result.error, call.id))  # each path truncated already
+    pool.shutdown(wait=False, cancel_futures=True)  # a hung thread is abandoned, not joined
+    _POOL.release(workers)
+    return results

@@ -1,0 +1,127 @@
+"""Built-in tools and the tool registry.
+
+A tool is a typed Python function with a Google-style docstring; the JSON schema the model
+sees is derived from its signature and docstring (`transformers.utils.get_json_schema`). A
+parameter named `task` is not shown to the model: execute-tools passes the rollout's task
+(its hidden state, e.g. the number to guess) into it.
+
+Tools run in a separate, killable worker process by default (see calls.py), which loads a
+tool's module from its file: keep tool modules light (this one imports only the standard
+library) and tools module-level functions; results are converted with str().
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import operator
+from collections.abc import Callable
+from typing import Any
+
+INJECTED_PARAMETERS = ("task",)  # filled in by execute-tools, never by the model
+
+# ----------------------------------------------------------------------------- calculate
+
+MAX_EXPRESSION_CHARS = 200
+MAX_ABS_RESULT = 10**15  # bounded work: larger intermediate values are an error, not a hang
+MAX_EXPONENT = 64
+
+_BINARY_OPS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+_UNARY_OPS: dict[type, Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+
+
+def _arithmetic(node: ast.AST) -> int | float:
+    """Evaluate a parsed arithmetic expression tree; anything but numbers and operators is refused."""
+    if isinstance(node, ast.Expression):
+        return _arithmetic(node.body)
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY_OPS:
+        return _UNARY_OPS[type(node.op)](_arithmetic(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPS:
+        left, right = _arithmetic(node.left), _arithmetic(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
+            raise ValueError(f"exponent {right} is larger than {MAX_EXPONENT}")
+        value = _BINARY_OPS[type(node.op)](left, right)
+        if isinstance(value, complex) or abs(value) > MAX_ABS_RESULT:
+            raise ValueError("result is out of range")
+        return value
+    raise ValueError(f"unsupported syntax: {type(node).__name__}")
+
+
+def calculate(expression: str) -> str:
+    """Evaluate an arithmetic expression with + - * / // % ** and parentheses.
+
+    Args:
+        expression: The arithmetic expression to evaluate, for example "12+7-3".
+    """
+    if not isinstance(expression, str) or len(expression) > MAX_EXPRESSION_CHARS:
+        raise ValueError(f"expression must be a string of at most {MAX_EXPRESSION_CHARS} characters")
+    try:
+        # ast.parse only parses; _arithmetic walks the tree and never executes code.
+        tree = ast.parse(expression.strip(), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+        raise ValueError(f"not an arithmetic expression: {exc.__class__.__name__}") from None
+    try:
+        value = _arithmetic(tree)
+    except ZeroDivisionError:
+        raise ValueError("division by zero") from None
+    except RecursionError:
+        raise ValueError("expression is nested too deeply") from None
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("result is not finite")
+        if value.is_integer():
+            return str(int(value))
+        return f"{value:.6g}"
+    return str(value)
+
+
+# ----------------------------------------------------------------------------- get_weather
+
+
+def get_weather(location: str, task: dict, unit: str = "celsius") -> str:
+    """Get the current temperature of a city.
+
+    Args:
+        location: The city name, for example "Paris".
+        task: The episode's weather (filled in by the environment, not by the model).
+        unit: The temperature unit, "celsius" or "fahrenheit".
+    """
+    weather = {city.lower(): degrees for city, degrees in task["weather"].items()}
+    if location.strip().lower() not in weather:
+        raise ValueError(f"unknown city '{location}'; known: {', '.join(task['weather'])}")
+    celsius = weather[location.strip().lower()]
+    if unit == "fahrenheit":
+        return f"{round(celsius * 9 / 5 + 32)} F"
+    if unit != "celsius":
+        raise ValueError("unit must be 'celsius' or 'fahrenheit'")
+    return f"{celsius} C"
+
+
+# ----------------------------------------------------------------------------- guess
+
+
+def guess(number: int, task: dict) -> str:
+    """Guess the hidden number; the answer is higher, lower or correct.
+
+    Args:
+        number: Your guess.
+        task: The episode's hidden state (filled in by the environment, not by the model).
+    """
+    if number < task["secret"]:
+        return "higher"
+    if number > task["secret"]:
+        return "lower"
+    return "correct"
+
+
+TOOLS: dict[str, Callable[..., Any]] = {"calculate": calculate, "get_weather": get_weather, "guess": guess}

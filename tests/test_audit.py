@@ -1,0 +1,130 @@
+"""The audit rejects each kind of planted corruption with a message naming it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.audit import audit
+from pipeline.store import Store, StoreError
+
+pytestmark = pytest.mark.usefixtures("prefect_server")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from pipeline.flows import rl_training
+    from pipeline.models import load_tokenizer
+    from schemas.config import RunConfig
+
+    config = RunConfig(
+        iterations=1,
+        task={"rollouts": 8, "group_size": 4, "max_turns": 3},
+        generation={"max_new_tokens": 64},
+        store={"runs_dir": tmp_path_factory.mktemp("audit")},
+    )
+    (result,) = rl_training(config)
+    store = Store(config.store.runs_dir)
+    turns = store.load("compute-advantages", result["versions"]["compute-advantages"])
+    return store, turns, load_tokenizer(str(store.policy_dir(result["policy"]))), result
+
+
+def check(run, turns):
+    store, _, tokenizer, _ = run
+    return audit(turns, store, tokenizer, enable_thinking=True, rescore_fraction=1.0, rescore_tolerance=1e-3)
+
+
+def with_row(turns, index, **changes):
+    rows = turns.to_list()
+    rows[index] = {**rows[index], **changes}
+    from datasets import Dataset
+
+    return Dataset.from_list(rows, features=turns.features)
+
+
+def two_turn_row(turns) -> int:
+    return next(i for i, (t, o) in enumerate(zip(turns["turn"], turns["observation_token_ids"])) if t == 0 and o)
+
+
+def test_clean_data_passes_and_ppo_update_recorded_the_audit(run):
+    store, turns, _, result = run
+    report = check(run, turns)
+    assert report.ok, report.problems
+    assert report.rescore_max_abs_diff < 1e-4
+    manifest = store.manifest("ppo-update", result["versions"]["ppo-update"])
+    assert manifest["audit"]["ok"] and set(manifest["audit"]["checks"]) >= {"stream", "lengths", "rescore"}
+
+
+def test_shifted_logprobs_fail_the_rescoring(run):
+    _, turns, _, _ = run
+    i = two_turn_row(turns)
+    shifted = np.roll(np.asarray(turns[i]["completion_logprobs"]), 1).tolist()
+    report = check(run, with_row(turns, i, completion_logprobs=shifted))
+    assert not report.ok and report.checks["rescore"] == 1
+    assert "stored logprobs differ from the stored policy's" in report.problems[0]
+
+
+def test_truncated_tokens_fail_lengths_and_stream(run):
+    _, turns, _, _ = run
+    i = two_turn_row(turns)
+    report = check(run, with_row(turns, i, completion_token_ids=turns[i]["completion_token_ids"][:-1]))
+    rollout = turns[i]["rollout_id"]
+    assert any(
+        p.startswith(f"lengths: rollout {rollout} turn 0:") and "completion_logprobs" in p for p in report.problems
+    )
+    assert any(p.startswith(f"stream: rollout {rollout} turn 1: stream_offset") for p in report.problems)
+
+
+def test_observation_tokens_moved_into_the_loss_mask_are_caught(run):
+    _, turns, _, _ = run
+    i = two_turn_row(turns)
+    row = turns[i]
+    moved = row["observation_token_ids"][:3]
+    report = check(
+        run,
+        with_row(
+            turns,
+            i,
+            completion_token_ids=row["completion_token_ids"] + moved,
+            completion_logprobs=row["completion_logprobs"] + [-0.1] * 3,
+            advantages=row["advantages"] + [row["advantages"][0]] * 3,
+            returns=row["returns"] + [row["returns"][0]] * 3,
+            observation_token_ids=row["observation_token_ids"][3:],
+        ),
+    )
+    assert not report.ok and report.checks["rescore"] == 1 and report.checks["stream"] >= 1
+
+
+def test_nan_advantage_and_positive_logprob(run):
+    _, turns, _, _ = run
+    advantages = list(turns[0]["advantages"])
+    advantages[1] = float("nan")
+    report = check(run, with_row(turns, 0, advantages=advantages))
+    assert any("advantages: rollout" in p and "advantage nan at completion token 1" in p for p in report.problems)
+    logprobs = list(turns[0]["completion_logprobs"])
+    logprobs[0] = 0.5
+    report = check(run, with_row(turns, 0, completion_logprobs=logprobs))
+    assert any("logprob 0.5 at completion token 0 (must be finite and <= 0)" in p for p in report.problems)
+
+
+def test_missing_turns_and_missing_policy(run):
+    _, turns, _, _ = run
+    i = two_turn_row(turns)
+    later = next(
+        j for j, (r, t) in enumerate(zip(turns["rollout_id"], turns["turn"])) if r == turns[i]["rollout_id"] and t == 1
+    )
+    gap = turns.select([j for j in range(len(turns)) if j != i])
+    assert any("contiguous: rollout" in p and "has turns [1" in p for p in check(run, gap).problems)
+    unknown = with_row(turns, later, policy_version="0000000000000000")
+    assert any(p == "policy: policy 0000000000000000 is not in the store" for p in check(run, unknown).problems)
+
+
+def test_an_edited_dataset_file_is_refused(run):
+    store, _, _, result = run
+    version = result["versions"]["assign-rewards"]
+    shard = next(store.path("assign-rewards", version).glob("*.arrow"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="corrupted or was edited: data-00000-of-00001.arrow differs from its digest"):
+        store.load("assign-rewards", version)

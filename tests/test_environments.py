@@ -1,0 +1,144 @@
+"""Environments: the built-in tasks, task mixes, per-turn rewards, stop strings, failures."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from pipeline.episodes import rollout_metrics, rollout_starts, run_episodes
+from pipeline.models import eos_token_ids
+from schemas.config import RunConfig, TaskConfig
+from schemas.token_stream import prompt_token_ids
+from stages.assign_rewards import ENVIRONMENTS, CalculatorEnv, EnvStep, GuessNumberEnv, WeatherEnv
+from stages.execute_tools import TOOLS, ToolCall, run_tool_calls, tool_schema
+from stages.generate_rollouts import Engine
+
+
+def test_guess_number_ends_at_the_correct_guess_and_pays_for_speed():
+    env = GuessNumberEnv()
+    task = {"question": "?", "secret": 37}
+    assert env.step(task, 0, "", [{"name": "guess"}], ["higher"]) == EnvStep(
+        observation=[{"role": "tool", "content": "higher"}]
+    )
+    assert env.step(task, 3, "", [{"name": "guess"}], ["correct"]).done
+    solved_fast = {"turn": 0, "tool_calls": [{"result": "correct"}]}
+    solved_slow = {"turn": 9, "tool_calls": [{"result": "correct"}]}
+    assert env.reward(task, solved_fast) == 1.0 > env.reward(task, solved_slow) == pytest.approx(0.82)  # 1 - 9/50
+    assert env.reward(task, {"turn": 2, "tool_calls": [{"result": "lower"}]}) == 0.0
+    # the demonstration is a binary search that ends with the correct guess
+    demo = env.demonstration(task)
+    guesses = [m["tool_calls"][0]["function"]["arguments"]["number"] for m in demo if m["role"] == "assistant"]
+    assert guesses[0] == 50 and guesses[-1] == 37 and len(guesses) <= 7
+
+
+def test_weather_needs_two_lookups_and_a_subtraction():
+    env = WeatherEnv()
+    task = env.sample_task(random.Random(1))
+    first, second = task["cities"]
+    (a, b) = run_tool_calls(
+        [ToolCall("get_weather", {"location": first}), ToolCall("get_weather", {"location": second.upper()})],
+        TOOLS,
+        30,
+        task=task,
+    )
+    assert (a.content, b.content) == (f"{task['weather'][first]} C", f"{task['weather'][second]} C")
+    demo = env.demonstration(task)
+    assert len(demo[2]["tool_calls"]) == 2  # two calls in one assistant turn
+    assert env.reward(task, {"content": demo[-1]["content"]}) == 1.0
+    assert env.reward(task, {"content": f"It is {task['answer'] + 1} degrees."}) == 0.0
+
+
+def test_a_task_mix_splits_groups_by_weight_and_never_mixes_a_group():
+    assert TaskConfig(name="calculator:3,guess-number:1", rollouts=32, group_size=4).groups_per_task() == [
+        *["calculator"] * 6,
+        *["guess-number"] * 2,
+    ]
+    with pytest.raises(ValueError, match="positive weight"):
+        TaskConfig(name="calculator:0")
+    config = RunConfig(task={"name": "calculator,weather", "rollouts": 16, "group_size": 4})
+    starts = rollout_starts(config, iteration=0)
+    by_group: dict[int, set[str]] = {}
+    for start in starts:
+        by_group.setdefault(start["group_id"], set()).add(start["task"])
+    assert all(len(tasks) == 1 for tasks in by_group.values())
+    assert sorted(t for (t,) in by_group.values()) == ["calculator", "calculator", "weather", "weather"]
+    weather = next(s for s in starts if s["task"] == "weather")
+    assert [t["function"]["name"] for t in weather["tools"]] == ["get_weather", "calculate"]
+
+
+class ShapedCalculator(CalculatorEnv):
+    """Per-turn rewards, and stop strings for the turn after a tool call."""
+
+    name = "shaped-calculator"
+
+    def step(self, task, turn, assistant_text, tool_calls, tool_results):
+        step = super().step(task, turn, assistant_text, tool_calls, tool_results)
+        step.reward = 0.25 if tool_calls else 0.0
+        step.stop = ["returned"]
+        return step
+
+
+class BrokenEnv(CalculatorEnv):
+    name = "broken"
+
+    def step(self, task, turn, assistant_text, tool_calls, tool_results):
+        raise RuntimeError("environment bug")
+
+
+@pytest.fixture
+def custom_environments(monkeypatch):
+    monkeypatch.setitem(ENVIRONMENTS, "shaped-calculator", ShapedCalculator())
+    monkeypatch.setitem(ENVIRONMENTS, "broken", BrokenEnv())
+
+
+@pytest.mark.usefixtures("custom_environments")
+def test_per_turn_rewards_stop_strings_and_a_raising_environment(tiny):
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model))
+    config = RunConfig(task={"name": "shaped-calculator,broken", "rollouts": 8, "group_size": 4, "max_turns": 3})
+    turns = run_episodes(engine, tokenizer, config)
+    shaped = [row for row in turns if row["task"] == "shaped-calculator"]
+    called = [row for row in shaped if row["tool_calls"] and row["turn"] == 0]
+    assert called and all(row["turn_reward"] == 0.25 for row in called)
+    later = [row for row in shaped if row["turn"] == 1]
+    assert later and all(row["finish_reason"] == "stop_string" for row in later)
+    assert all(tokenizer.decode(row["completion_token_ids"]).endswith("returned") for row in later)
+    # the turn cut at a stop string is closed by the environment: its observation starts with EOS
+    cut = [row for row in later if row["observation_token_ids"]]
+    assert all(row["observation_token_ids"][0] == tokenizer.eos_token_id for row in cut)
+    broken = [row for row in turns if row["task"] == "broken" and row["finish_reason"] == "stop"]
+    assert broken and all(row["failed"] and "environment bug" in row["failure"] for row in broken)
+    assert all(math.isnan(row["reward"]) for row in broken)
+    metrics = rollout_metrics(turns)
+    assert metrics["per_task"]["broken"]["failed_rate"] == len(broken) / 4
+    assert metrics["per_task"]["shaped-calculator"]["failed_rate"] == 0.0
+
+
+def test_the_prompt_lists_the_environments_tools(tiny):
+    _, tokenizer = tiny
+    env = GuessNumberEnv()
+    text = tokenizer.decode(
+        prompt_token_ids(tokenizer, env.reset(env.sample_task(random.Random(0))), [tool_schema(TOOLS["guess"])], True)
+    )
+    assert '"name": "guess"' in text and '"task"' not in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_a_plugin_registers_a_tool_and_an_environment(tiny):
+    from pipeline.episodes import environment_code, load_plugins
+
+    load_plugins(["plugin_countdown"])
+    try:
+        config = RunConfig(
+            task={"name": "multiply", "rollouts": 2, "group_size": 2, "max_turns": 2, "plugins": ["plugin_countdown"]}
+        )
+        model, tokenizer = tiny
+        turns = run_episodes(Engine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model)), tokenizer, config)
+        assert set(turns["task"]) == {"multiply"}
+        (result,) = run_tool_calls([ToolCall("multiply", {"a": 6, "b": 7})], TOOLS, 30)  # in a worker process
+        assert result.content == "42"
+        assert set(environment_code(config)) == {"multiply"}
+    finally:
+        ENVIRONMENTS.pop("multiply", None)
+        TOOLS.pop("multiply", None)
