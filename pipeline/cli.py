@@ -47,10 +47,22 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-def build_config(args: argparse.Namespace) -> RunConfig:
-    """Defaults < --config FILE < named flags < --set key=value; validated before any work."""
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in top.items():
+        merged[key] = (
+            _deep_merge(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+        )
+    return merged
+
+
+def build_config(args: argparse.Namespace, base: RunConfig | None = None) -> RunConfig:
+    """Defaults (or `base`) < --config FILE < named flags < --set key=value; validated before any work."""
     try:
-        config = RunConfig.from_yaml(args.config) if args.config else RunConfig()
+        config = base or RunConfig()
+        if args.config:
+            from_file = RunConfig.from_yaml(args.config).model_dump(mode="json", exclude_unset=True)
+            config = RunConfig.model_validate(_deep_merge(config.model_dump(mode="json"), from_file))
         overrides: dict[str, Any] = {}
         for flag, (field, _, _) in RUN_FLAGS.items():
             value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
@@ -74,7 +86,6 @@ def validate_choices(config: RunConfig) -> None:
     """Names that only the registries know, checked before any work is done."""
     from pipeline.episodes import load_plugins
     from pipeline.models import resolve_model_dir
-    from stages.assign_rewards import ENVIRONMENTS
     from stages.compute_advantages import ESTIMATORS
 
     try:
@@ -82,9 +93,12 @@ def validate_choices(config: RunConfig) -> None:
     except ImportError as exc:
         raise UsageError(f"task.plugins: cannot import {exc.name!r}: {exc}") from None
 
-    for name, _ in config.task.mix():
-        if name not in ENVIRONMENTS:
-            raise UsageError(f"unknown task '{name}'; valid: {', '.join(sorted(ENVIRONMENTS))}")
+    from pipeline.episodes import check_environments
+
+    try:
+        check_environments(config)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if config.advantage.estimator not in ESTIMATORS:
         raise UsageError(
             f"unknown advantage estimator '{config.advantage.estimator}'; valid: {', '.join(sorted(ESTIMATORS))}"
@@ -124,6 +138,68 @@ def command_run(args: argparse.Namespace) -> None:
     print(f"  {'execute-tools':<19} {len(turns)} turn(s), last: {store.path('execute-tools', turns[-1])}")
     print(f"  {'policy':<19} {store.policy_dir(last['next_policy'])}")
     print("Load any of them with:  import datasets; datasets.load_from_disk('<path above>')")
+
+
+def command_stage(args: argparse.Namespace) -> None:
+    """Re-run one stage: the config recorded in the input's lineage, then --config, flags, --set."""
+    store = Store(args.runs_dir)
+    source_stage, source_version = store.resolve(args.source)
+    from pipeline.flows import lineage_config
+
+    recorded = RunConfig.model_validate(
+        {**lineage_config(store, source_stage, source_version), "store": {"runs_dir": str(args.runs_dir)}}
+    )
+    config = build_config(args, base=recorded)
+    validate_choices(config)
+    from pipeline import prefect_env
+
+    prefect_env.configure(config.store.runs_dir)
+    from pipeline.flows import rerun_stage
+
+    try:
+        version = rerun_stage(config, args.name, f"{source_stage}/{source_version}")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    path = store.path(args.name, version)
+    print(f"{args.name}/{version}\n  {path}\nLoad it with:  datasets.load_from_disk('{path}')")
+
+
+def command_serve(args: argparse.Namespace) -> None:
+    """Serve rl-iteration as deployment rl-iteration/local: each run trains the next iteration."""
+    config = build_config(args)
+    validate_choices(config)
+    from pipeline import prefect_env
+
+    prefect_env.configure(config.store.runs_dir)
+    from pipeline.flows import rl_iteration
+
+    schedule = {"interval": args.interval} if args.interval else {"cron": args.cron} if args.cron else {}
+    print(f"serving rl-iteration/local on {config.store.runs_dir} ({schedule or 'no schedule: trigger runs'})")
+    rl_iteration.serve(name="local", parameters={"config": config.model_dump(mode="json")}, limit=1, **schedule)
+
+
+def command_eval(args: argparse.Namespace) -> None:
+    """Roll out a policy on fixed evaluation tasks (nothing is stored) and print its metrics."""
+    config = build_config(args)
+    validate_choices(config)
+    from pipeline.episodes import rollout_metrics, run_episodes
+    from pipeline.models import eos_token_ids, load_model, load_tokenizer, resolve_model_dir
+    from stages.generate_rollouts import Engine
+
+    store = Store(config.store.runs_dir)
+    model_dir = (
+        store.policy_dir(store.resolve(f"policy/{args.policy}")[1])
+        if args.policy
+        else resolve_model_dir(config.model.path)
+    )
+    model, tokenizer = load_model(model_dir, config.model.dtype, config.model.device), load_tokenizer(model_dir)
+    engine = Engine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model))
+    # evaluation tasks come from their own seed, never the training iterations'
+    turns = run_episodes(engine, tokenizer, config, iteration=EVAL_ITERATION)
+    print(json.dumps({"policy": str(model_dir), **rollout_metrics(turns)}, indent=2))
+
+
+EVAL_ITERATION = 10**6
 
 
 def command_report(args: argparse.Namespace) -> None:
@@ -204,12 +280,35 @@ def parser() -> argparse.ArgumentParser:
     )
     commands = root.add_subparsers(dest="command", required=True)
 
+    def config_flags(sub: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        sub.add_argument("--config", type=Path, help="YAML file with config sections")
+        for flag, (field, kind, text) in RUN_FLAGS.items():
+            if flag not in skip:
+                sub.add_argument(flag, type=kind, help=f"{text} (config: {field})")
+        sub.add_argument("--set", action="append", metavar="KEY=VALUE", help="any config field, e.g. ppo.epochs=2")
+
     run = commands.add_parser("run", help="train: RL iterations through the Prefect flow")
-    run.add_argument("--config", type=Path, help="YAML file with config sections")
-    for flag, (field, kind, text) in RUN_FLAGS.items():
-        run.add_argument(flag, type=kind, help=f"{text} (config: {field})")
-    run.add_argument("--set", action="append", metavar="KEY=VALUE", help="any config field, e.g. ppo.epochs=2")
+    config_flags(run)
     run.set_defaults(handler=command_run)
+
+    stage = commands.add_parser("stage", help="re-run one stage on a stored input, e.g. another estimator")
+    stage.add_argument("name", choices=["assign-rewards", "compute-advantages", "ppo-update"])
+    stage.add_argument("--from", dest="source", required=True, metavar="STAGE/VERSION", help="the stored input")
+    stage.add_argument("--runs-dir", type=Path, default=Path("runs"))
+    config_flags(stage, skip=("--runs-dir",))
+    stage.set_defaults(handler=command_stage)
+
+    evaluate = commands.add_parser("eval", help="roll out a policy on fixed evaluation tasks; nothing is stored")
+    config_flags(evaluate)
+    evaluate.add_argument("--policy", help="a policy version of the runs dir (default: --model or the embedded one)")
+    evaluate.set_defaults(handler=command_eval)
+
+    serve = commands.add_parser("serve", help="serve rl-iteration as the deployment rl-iteration/local")
+    config_flags(serve)
+    timing = serve.add_mutually_exclusive_group()
+    timing.add_argument("--interval", type=float, help="run an iteration every N seconds")
+    timing.add_argument("--cron", help="run iterations on a cron schedule, e.g. '0 * * * *'")
+    serve.set_defaults(handler=command_serve)
 
     for name, handler, text in (
         ("show", command_show, "a version's manifest"),

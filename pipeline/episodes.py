@@ -43,19 +43,36 @@ def environment_code(config: RunConfig) -> dict[str, str]:
     return versions
 
 
+def check_environments(config: RunConfig) -> None:
+    """Every task of the mix is registered, has tools, and its tools are registered."""
+    for name, _ in config.task.mix():
+        if name not in assign_rewards.ENVIRONMENTS:
+            raise ValueError(f"unknown task '{name}'; valid: {', '.join(sorted(assign_rewards.ENVIRONMENTS))}")
+        environment = assign_rewards.ENVIRONMENTS[name]
+        if not environment.tools:
+            raise ValueError(f"environment '{name}' lists no tools; a tool-using task needs at least one")
+        missing = [tool for tool in environment.tools if tool not in execute_tools.TOOLS]
+        if missing:
+            raise ValueError(
+                f"environment '{name}' uses unregistered tool(s) {missing}; registered: {', '.join(execute_tools.TOOLS)}"
+            )
+
+
 def rollout_starts(config: RunConfig, iteration: int) -> list[dict[str, Any]]:
     """The iteration's tasks: rollouts / group_size groups, each one task of one environment
     (split by the task mix) sampled group_size times. A group never mixes tasks."""
-    unknown = [name for name, _ in config.task.mix() if name not in assign_rewards.ENVIRONMENTS]
-    if unknown:
-        valid = ", ".join(sorted(assign_rewards.ENVIRONMENTS))
-        raise ValueError(f"unknown task '{unknown[0]}'; valid: {valid}")
+    check_environments(config)
     rng = random.Random(f"tasks/{config.seed}/{iteration}")
     starts = []
     for group_id, name in enumerate(config.task.groups_per_task()):
         environment = assign_rewards.ENVIRONMENTS[name]
         tools = [execute_tools.tool_schema(execute_tools.TOOLS[tool]) for tool in environment.tools]
-        task = environment.sample_task(rng)
+        try:
+            task = environment.sample_task(rng)
+            messages = environment.reset(task)
+            json.dumps(task)
+        except Exception as exc:
+            raise ValueError(f"environment '{name}' failed to start a task: {exc.__class__.__name__}: {exc}") from exc
         for _ in range(config.task.group_size):
             starts.append(
                 {
@@ -64,11 +81,49 @@ def rollout_starts(config: RunConfig, iteration: int) -> list[dict[str, Any]]:
                     "task": environment.name,
                     "task_id": f"{environment.name}-{iteration}-{group_id}",
                     "task_payload": json.dumps(task, sort_keys=True),
-                    "messages": environment.reset(task),
+                    "messages": messages,
                     "tools": tools,
                 }
             )
     return starts
+
+
+def generate_turn(
+    engine: generate_rollouts.Engine,
+    tokenizer: Any,
+    config: RunConfig,
+    *,
+    iteration: int,
+    turn: int,
+    policy_version: str,
+    history: datasets.Dataset | None,
+) -> datasets.Dataset:
+    """generate-rollouts for one turn, configured by the run config."""
+    return generate_rollouts.generate_rollouts(
+        engine,
+        tokenizer,
+        config=config.generation,
+        seed=config.seed,
+        iteration=iteration,
+        turn=turn,
+        policy_version=policy_version,
+        starts=rollout_starts(config, iteration) if turn == 0 else None,
+        history=history,
+    )
+
+
+def execute_turn(turns: datasets.Dataset, tokenizer: Any, config: RunConfig) -> datasets.Dataset:
+    """execute-tools for one turn, with the registered environments and tools."""
+    return execute_tools.execute_tools(
+        turns,
+        tokenizer,
+        assign_rewards.ENVIRONMENTS,
+        execute_tools.TOOLS,
+        task_config=config.task,
+        tools_config=config.tools,
+        generation_config=config.generation,
+        max_workers=config.runner.max_workers,
+    )
 
 
 def run_episodes(
@@ -77,37 +132,16 @@ def run_episodes(
     """All turns of one iteration's rollouts, scored: the assign-rewards dataset, in memory."""
     rounds: list[datasets.Dataset] = []
     for turn in range(config.task.max_turns):
-        generated = generate_rollouts.generate_rollouts(
-            engine,
-            tokenizer,
-            config=config.generation,
-            seed=config.seed,
-            iteration=iteration,
-            turn=turn,
-            policy_version="in-memory",
-            starts=rollout_starts(config, iteration) if turn == 0 else None,
-            history=datasets.concatenate_datasets(rounds) if rounds else None,
+        history = datasets.concatenate_datasets(rounds) if rounds else None
+        generated = generate_turn(
+            engine, tokenizer, config, iteration=iteration, turn=turn, policy_version="in-memory", history=history
         )
-        rounds.append(
-            execute_tools.execute_tools(
-                generated,
-                tokenizer,
-                assign_rewards.ENVIRONMENTS,
-                execute_tools.TOOLS,
-                task_config=config.task,
-                tools_config=config.tools,
-                generation_config=config.generation,
-                max_workers=config.runner.max_workers,
-            )
-        )
+        rounds.append(execute_turn(generated, tokenizer, config))
         if all(stop is not None for stop in rounds[-1]["stop_reason"]):
             break
     return assign_rewards.assign_rewards(
         datasets.concatenate_datasets(rounds), assign_rewards.ENVIRONMENTS, config.reward
     )
-
-
-# ---------------------------------------------------------------------------------------
 
 
 def rollout_metrics(turns: datasets.Dataset) -> dict[str, Any]:

@@ -12,8 +12,6 @@ its config section and its inputs' versions; the store on disk is the truth:
   so a cache hit can never point at deleted data.
 """
 
-from __future__ import annotations
-
 import functools
 import resource
 import time
@@ -25,10 +23,12 @@ import datasets
 import numpy as np
 import torch
 from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from pipeline.audit import AuditError, audit
-from pipeline.episodes import environment_code, load_plugins, rollout_metrics, rollout_starts
+from pipeline.episodes import environment_code, execute_turn, generate_turn, load_plugins, rollout_metrics
 from pipeline.models import eos_token_ids, load_model, load_tokenizer, pick_device, resolve_model_dir
+from pipeline.report import write_report
 from pipeline.store import POLICY, Store, file_digests, source_version, version_key
 from schemas.config import RunConfig
 from schemas.features import PPO_UPDATE, dataset_from_rows, token_counts
@@ -161,7 +161,18 @@ def write_stage(
         },
     )
     get_run_logger().info("%s/%s: %d rows in %.1f s", stage, version, len(dataset), time.time() - started)
+    publish_stage(store, stage, version)
     return version
+
+
+def publish_stage(store: Store, stage: str, version: str) -> None:
+    """A Prefect table artifact per stage version: rows, tokens, wall time and its metrics."""
+    manifest = store.manifest(stage, version)
+    table = {"version": version, "rows": manifest["rows"], "wall_s": manifest["wall_s"], **manifest.get("tokens", {})}
+    for name, value in {**manifest.get("metrics", {}), **manifest.get("tool_failures", {})}.items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            table[name] = round(value, 4) if isinstance(value, float) else value
+    create_table_artifact(key=stage, table=[table], description=f"{stage}/{version} in {store.root}")
 
 
 def stage_task(stage: str) -> Callable[[Callable[..., str]], Any]:
@@ -198,16 +209,9 @@ def generate_rollouts_task(config: RunConfig, version: str, parents: dict[str, s
 
     def compute() -> tuple[datasets.Dataset, dict[str, Any]]:
         _, tokenizer, engine = policy_runtime(store, config, policy_version)
-        dataset = generate_rollouts.generate_rollouts(
-            engine,
-            tokenizer,
-            config=config.generation,
-            seed=config.seed,
-            iteration=iteration,
-            turn=turn,
-            policy_version=policy_version,
-            starts=rollout_starts(config, iteration) if turn == 0 else None,
-            history=load_rounds(store, previous) if previous else None,
+        history = load_rounds(store, previous) if previous else None
+        dataset = generate_turn(
+            engine, tokenizer, config, iteration=iteration, turn=turn, policy_version=policy_version, history=history
         )
         provenance = {
             "sampling": config.generation.model_dump(mode="json") | {"seed": config.seed},
@@ -215,7 +219,8 @@ def generate_rollouts_task(config: RunConfig, version: str, parents: dict[str, s
             "context_convention": CONTEXT_CONVENTION,
             "chat_template_sha256": chat_template_hash(tokenizer),
         }
-        return dataset, {"iteration": iteration, "turn": turn, "provenance": provenance}
+        # a cold engine (a resumed run) replays the earlier turns first; 0.0 means bit-identical
+        return dataset, {"iteration": iteration, "turn": turn, "provenance": provenance, "replay": engine.last_replay}
 
     return write_stage(config, "generate-rollouts", version, parents, compute, iteration=iteration, turn=turn)
 
@@ -228,16 +233,7 @@ def execute_tools_task(config: RunConfig, version: str, parents: dict[str, str])
         turns = store.load("generate-rollouts", parents["generate-rollouts"])
         policy_version = store.manifest("generate-rollouts", parents["generate-rollouts"])["parents"][POLICY]
         _, tokenizer, _ = policy_runtime(store, config, policy_version)
-        dataset = execute_tools.execute_tools(
-            turns,
-            tokenizer,
-            assign_rewards.ENVIRONMENTS,
-            execute_tools.TOOLS,
-            task_config=config.task,
-            tools_config=config.tools,
-            generation_config=config.generation,
-            max_workers=config.runner.max_workers,
-        )
+        dataset = execute_turn(turns, tokenizer, config)
         stops = dataset["stop_reason"]
         summary = {
             "active": sum(s is None for s in stops),
@@ -412,39 +408,41 @@ def ppo_update_task(config: RunConfig, version: str, parents: dict[str, str], it
 
 @flow(name="rl-iteration")
 def rl_iteration(config: RunConfig, iteration: int | None = None, policy_version: str | None = None) -> dict[str, Any]:
-    """One RL iteration. Without arguments: the next iteration from the store's newest policy."""
-    logger = get_run_logger()
+    """One RL iteration. Without arguments: the next iteration from the store's newest policy
+    (what a scheduled deployment run does). One iteration at a time per store: a file lock."""
     load_plugins(config.task.plugins)
     store = Store(config.store.runs_dir)
-    store.clean_stale_tmp()
-    if policy_version is None:
-        policy_version = latest_policy(store) or import_base_policy(store, config)
-    if iteration is None:
-        iteration = store.manifest(POLICY, policy_version).get("iteration", -1) + 1
+    with store.lock():
+        store.clean_stale_tmp()
+        if policy_version is None:
+            policy_version = latest_policy(store) or import_base_policy(store, config)
+        if iteration is None:
+            iteration = store.manifest(POLICY, policy_version).get("iteration", -1) + 1
 
-    previous: str | None = None  # the execute-tools version of the last turn
-    for turn in range(config.task.max_turns):
-        generated = run_stage(
-            generate_rollouts_task,
-            config,
-            {POLICY: policy_version, **({"execute-tools": previous} if previous else {})},
-            position={"iteration": iteration, "turn": turn},
+        previous: str | None = None  # the execute-tools version of the last turn
+        for turn in range(config.task.max_turns):
+            generated = run_stage(
+                generate_rollouts_task,
+                config,
+                {POLICY: policy_version, **({"execute-tools": previous} if previous else {})},
+                position={"iteration": iteration, "turn": turn},
+            )
+            previous = run_stage(execute_tools_task, config, {"generate-rollouts": generated})
+            if store.manifest("execute-tools", previous)["active"] == 0:
+                break
+        rewarded = run_stage(assign_rewards_task, config, {"execute-tools": previous})
+        reference = reference_policy(store, policy_version)
+        advantaged = run_stage(
+            compute_advantages_task, config, advantage_parents(config, rewarded, policy_version, reference)
         )
-        previous = run_stage(execute_tools_task, config, {"generate-rollouts": generated})
-        if store.manifest("execute-tools", previous)["active"] == 0:
-            break
-    rewarded = run_stage(assign_rewards_task, config, {"execute-tools": previous})
-    reference = reference_policy(store, policy_version)
-    advantaged = run_stage(
-        compute_advantages_task, config, advantage_parents(config, rewarded, policy_version, reference)
-    )
-    next_policy = run_stage(
-        ppo_update_task, config, {"compute-advantages": advantaged, POLICY: policy_version}, iteration=iteration
-    )
+        next_policy = run_stage(
+            ppo_update_task, config, {"compute-advantages": advantaged, POLICY: policy_version}, iteration=iteration
+        )
     metrics = store.manifest("assign-rewards", rewarded)["metrics"]
-    logger.info(
+    get_run_logger().info(
         "iteration %d: reward %.3f, success %.2f", iteration, metrics["reward_mean"] or 0, metrics["success_rate"] or 0
     )
+    publish_summary(store, next_policy)
     return {
         "iteration": iteration,
         "policy": policy_version,
@@ -464,9 +462,75 @@ def rl_training(config: RunConfig) -> list[dict[str, Any]]:
     """config.iterations RL iterations from the starting model, each one an rl-iteration run."""
     load_plugins(config.task.plugins)
     store = Store(config.store.runs_dir)
-    policy_version = import_base_policy(store, config)
+    with store.lock():
+        policy_version = import_base_policy(store, config)
     results = []
     for iteration in range(config.iterations):
         results.append(rl_iteration(config, iteration=iteration, policy_version=policy_version))
         policy_version = results[-1]["next_policy"]
     return results
+
+
+RERUNNABLE = ("assign-rewards", "compute-advantages", "ppo-update")
+
+
+def lineage_config(store: Store, stage: str, version: str) -> dict[str, Any]:
+    """The config sections recorded in a version's ancestors (the newest record of each wins)."""
+    sections: dict[str, Any] = {}
+    for manifest in reversed(store.lineage(stage, version)):
+        config = manifest.get("config", {})
+        for name in ("generation", "task", "tools", "reward", "advantage", "ppo"):
+            if isinstance(config.get(name), dict):
+                sections[name] = config[name]
+        if "seed" in config:
+            sections["seed"] = config["seed"]
+    return sections
+
+
+def generating_policy(store: Store, stage: str, version: str) -> str:
+    """The policy that generated the rollouts a version was computed from."""
+    rows = next(m for m in store.lineage(stage, version) if m["stage"] == "generate-rollouts")
+    return rows["parents"][POLICY]
+
+
+@flow(name="rl-stage")
+def rerun_stage(config: RunConfig, stage: str, source: str) -> str:
+    """Re-run one stage on a stored input (e.g. re-score rewards, or A/B two estimators on the
+    same rollouts); writes a new version beside the old one, or finds it already stored."""
+    load_plugins(config.task.plugins)
+    store = Store(config.store.runs_dir)
+    source_stage, source_version = store.resolve(source)
+    expected = {
+        "assign-rewards": "execute-tools",
+        "compute-advantages": "assign-rewards",
+        "ppo-update": "compute-advantages",
+    }
+    if stage not in expected or source_stage != expected[stage]:
+        raise ValueError(
+            f"`mtrl stage {stage}` runs on {expected.get(stage, '?')}/VERSION; stages: {', '.join(RERUNNABLE)}"
+        )
+    policy = generating_policy(store, source_stage, source_version)
+    with store.lock():
+        if stage == "assign-rewards":
+            return run_stage(assign_rewards_task, config, {"execute-tools": source_version})
+        if stage == "compute-advantages":
+            parents = advantage_parents(config, source_version, policy, reference_policy(store, policy))
+            return run_stage(compute_advantages_task, config, parents)
+        iteration = next(m for m in store.lineage(source_stage, source_version) if m["stage"] == "generate-rollouts")
+        next_policy = run_stage(
+            ppo_update_task,
+            config,
+            {"compute-advantages": source_version, POLICY: policy},
+            iteration=iteration["iteration"],
+        )
+        return store.manifest(POLICY, next_policy)["parents"]["ppo-update"]
+
+
+def publish_summary(store: Store, policy_version: str) -> None:
+    """The learning curve so far, as a Prefect markdown artifact and a PNG in the runs dir."""
+    curve, png = write_report(store, policy_version=policy_version)
+    create_markdown_artifact(
+        key="rl-iteration-summary",
+        markdown=f"## mtrl learning curve\n\n```\n{curve}\n```\n\nPlot: `{png}`\n\nStore: `{store.root}`",
+        description="success, reward, turns and training metrics per iteration",
+    )

@@ -29,3 +29,9 @@ def configure(runs_dir: str | Path) -> None:
     for name, value in defaults.items():
         os.environ.setdefault(name, value)
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+    # the libraries read their variables at import, which may have happened already
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()

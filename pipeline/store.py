@@ -13,6 +13,8 @@ The manifest records a digest of every file, so edited or corrupted versions are
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -20,7 +22,7 @@ import platform
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
@@ -266,6 +268,18 @@ class Store:
             return {"rows": len(dataset), "features": list(dataset.features)}
 
         return self.write(stage, version, fill, manifest)
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Exclusive use of the store by one training run at a time (an OS file lock, released
+        when the process dies): two scheduled iterations never interleave their writes."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / ".lock", "w") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def clean_stale_tmp(self) -> list[Path]:
         """Remove temporary folders left by writers that died (their pid is gone)."""

@@ -138,11 +138,13 @@ class CalculatorEnv(Environment):
 
 GUESS_RANGE = (1, 100)
 GUESS_MAX_TURNS = 50
+GUESS_REMINDER = "Use the guess tool to guess the number."
 
 
 class GuessNumberEnv(Environment):
     """Find a hidden number with the guess tool (answers: higher, lower, correct). Long
-    horizon: up to 50 turns; the episode ends at the correct guess; fewer turns, more reward."""
+    horizon: the episode ends at the correct guess or at max turns (up to 50); a turn without
+    a guess gets a reminder instead of ending the game; fewer turns, more reward."""
 
     name = "guess-number"
     tools = ("guess",)
@@ -158,6 +160,8 @@ class GuessNumberEnv(Environment):
     def step(self, task, turn, assistant_text, tool_calls, tool_results) -> EnvStep:
         if "correct" in tool_results:
             return EnvStep(done=True)
+        if not tool_calls:
+            return EnvStep(observation=[{"role": "user", "content": GUESS_REMINDER}])
         return super().step(task, turn, assistant_text, tool_calls, tool_results)
 
     def reward(self, task: dict[str, Any], final_turn: dict[str, Any]) -> float:

@@ -87,14 +87,19 @@ class Engine:
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.pad_token_id = pad_token_id
-        self.eos_token_ids = torch.tensor(sorted(set(eos_token_ids)), device=self.device)
+        self.eos_token_ids = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=self.device)
         self.reset()
 
     def reset(self) -> None:
+        self.last_replay: dict[str, Any] | None = None  # set by generate_rollouts after a replay
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None  # [rows, cached length], 1 on real tokens
         self._keys: list[int] = []
         self._cached_tokens: list[list[int]] = []  # real tokens each row's cache holds
+
+    def can_continue(self, requests: Sequence[Request]) -> bool:
+        """Does the cache hold a prefix of every request (so only new tokens are prefilled)?"""
+        return self._reusable_rows(requests) is not None
 
     def _reusable_rows(self, requests: Sequence[Request]) -> list[int] | None:
         row_of = {key: row for row, key in enumerate(self._keys)}
@@ -108,6 +113,22 @@ class Engine:
                 return None
             rows.append(row)
         return rows
+
+    def _compact(self) -> None:
+        """Drop the masked columns (pads between segments) from the cache, keeping each row's
+        real tokens in order, right-aligned: the cache grows with real tokens only, not with
+        every turn's padding (which would make 50-turn rollouts quadratically slower)."""
+        real = self._mask.bool()
+        width = int(real.sum(-1).max())
+        if width == self._mask.shape[1]:
+            return
+        # For each row, the columns of its real tokens, right-aligned into `width` slots.
+        order = torch.sort(real.to(torch.int8), dim=-1, stable=True).indices[:, -width:]
+        for layer in self._cache.layers:
+            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys = layer.keys.gather(2, index)
+            layer.values = layer.values.gather(2, index)
+        self._mask = self._mask.gather(1, order)
 
     def _forward(self, input_ids: torch.Tensor, new_mask: torch.Tensor) -> torch.Tensor:
         """Append a block of tokens to every row; return the logits of the block's last column."""
@@ -132,8 +153,13 @@ class Engine:
         top_k: int = 0,
         top_p: float = 1.0,
         decode: Callable[[list[int]], str] | None = None,
+        forced: Sequence[Sequence[int]] | None = None,
     ) -> list[Completion]:
-        """Sample a completion for every request; `decode` is needed only for stop strings."""
+        """Sample a completion for every request; `decode` is needed only for stop strings.
+
+        With `forced` the tokens are given instead of sampled (a replay): every forward pass
+        has the same shapes and inputs as when they were sampled, so the KV cache ends up
+        bit-identical and so do the logprobs, which are returned for checking."""
         if not requests:
             return []
         rows = self._reusable_rows(requests)
@@ -158,6 +184,7 @@ class Engine:
 
         generators = [torch.Generator(device=self.device).manual_seed(r.seed) for r in requests]
         limits = [r.max_new_tokens for r in requests]
+        eos = set(self.eos_token_ids.tolist())
         progress = tqdm(total=max(limits), desc="decode", unit="tok", leave=False, disable=None)
         sampled: list[list[int]] = [[] for _ in requests]
         logprobs: list[list[float]] = [[] for _ in requests]
@@ -165,16 +192,25 @@ class Engine:
         while True:
             scaled = logits / temperature
             token_logprobs = torch.log_softmax(scaled, dim=-1)
-            probs = filter_logits(scaled, top_k, top_p).softmax(dim=-1)
-            next_tokens = torch.full((len(requests),), self.pad_token_id, dtype=torch.long, device=self.device)
-            for i, generator in enumerate(generators):
+            if forced is None:
+                # Inverse-CDF sampling with one uniform per row from the row's own generator:
+                # vectorised, and a row's tokens do not depend on the rest of the batch.
+                probs = filter_logits(scaled, top_k, top_p).softmax(dim=-1)
+                uniforms = torch.stack([torch.rand((), generator=g, device=self.device) for g in generators])
+                cumulative = probs.cumsum(dim=-1)
+                tokens = torch.searchsorted(cumulative, (uniforms * cumulative[:, -1])[:, None])[:, 0]
+                tokens = tokens.clamp(max=probs.shape[-1] - 1)
+            else:
+                tokens = torch.tensor([f[min(len(s), len(f) - 1)] for f, s in zip(forced, sampled)], device=self.device)
+            chosen_logprobs = token_logprobs.gather(-1, tokens[:, None])[:, 0].tolist()
+            for i, token in enumerate(tokens.tolist()):
                 if finish[i] is not None:
                     continue
-                token = torch.multinomial(probs[i], 1, generator=generator)
-                next_tokens[i] = token
-                sampled[i].append(int(token))
-                logprobs[i].append(float(token_logprobs[i, token]))
-                if bool(torch.isin(token, self.eos_token_ids)):
+                sampled[i].append(token)
+                logprobs[i].append(chosen_logprobs[i])
+                if forced is not None:
+                    finish[i] = "replayed" if len(sampled[i]) == len(forced[i]) else None
+                elif token in eos:
                     finish[i] = "stop"
                 elif requests[i].stop and any(stop in decode(sampled[i]) for stop in requests[i].stop):
                     finish[i] = "stop_string"
@@ -185,9 +221,10 @@ class Engine:
                 break
             # Feed the sampled tokens; rows that finished are masked out from here on.
             active = torch.tensor([[f is None] for f in finish], dtype=torch.long, device=self.device)
-            logits = self._forward(next_tokens[:, None], active)
+            logits = self._forward(tokens[:, None], active)
 
         progress.close()
+        self._compact()
         # The last sampled token of each row is not in the cache yet; it is fed next turn.
         self._keys = [r.key for r in requests]
         self._cached_tokens = [r.token_ids + s[:-1] for r, s in zip(requests, sampled)]
@@ -219,6 +256,49 @@ def rollout_streams(history: datasets.Dataset) -> dict[int, list[int]]:
         stream += columns["context_token_ids"][i] + columns["completion_token_ids"][i]
         stream += columns["observation_token_ids"][i]
     return streams
+
+
+def replay(engine: Engine, history: datasets.Dataset, temperature: float, top_k: int, top_p: float) -> float:
+    """Rebuild the engine's cache by replaying the stored turns exactly as they were generated
+    (same batches, same forward passes, sampled tokens given). A resumed run then continues
+    with bit-identical numerics. Returns the max |replayed - stored| logprob (0 when exact)."""
+    columns = history.select_columns(
+        ["rollout_id", "turn", "sampling_seed", "finish_reason", "completion_token_ids", "completion_logprobs"]
+    ).to_dict()
+    streams = _streams_before_each_turn(history)
+    worst = 0.0
+    engine.reset()
+    for turn in sorted(set(columns["turn"])):
+        rows = sorted(
+            (i for i, t in enumerate(columns["turn"]) if t == turn and columns["finish_reason"][i] != "failed"),
+            key=lambda i: columns["rollout_id"][i],
+        )
+        requests = [
+            Request(columns["rollout_id"][i], streams[(columns["rollout_id"][i], turn)], columns["sampling_seed"][i], 1)
+            for i in rows
+        ]
+        forced = [columns["completion_token_ids"][i] for i in rows]
+        replayed = engine.generate(requests, temperature, top_k, top_p, forced=forced)
+        for i, completion in zip(rows, replayed):
+            for new, old in zip(completion.logprobs, columns["completion_logprobs"][i]):
+                worst = max(worst, abs(new - old))
+    return worst
+
+
+def _streams_before_each_turn(history: datasets.Dataset) -> dict[tuple[int, int], list[int]]:
+    """(rollout_id, turn) -> the tokens the model saw before generating that turn."""
+    columns = history.select_columns(
+        ["rollout_id", "turn", "context_token_ids", "completion_token_ids", "observation_token_ids"]
+    ).to_dict()
+    order = sorted(range(len(columns["turn"])), key=lambda i: (columns["rollout_id"][i], columns["turn"][i]))
+    before, running = {}, {}
+    for i in order:
+        rollout_id = columns["rollout_id"][i]
+        stream = running.setdefault(rollout_id, [])
+        stream += columns["context_token_ids"][i]
+        before[(rollout_id, columns["turn"][i])] = list(stream)
+        stream += columns["completion_token_ids"][i] + columns["observation_token_ids"][i]
+    return before
 
 
 def generate_rollouts(
@@ -273,6 +353,12 @@ def generate_rollouts(
             row["failed"], row["failure"] = True, f"generation: context of {len(stream)} tokens leaves no room"
             continue
         requests.append(Request(row["rollout_id"], stream, row["sampling_seed"], budget, row.pop("stop", ())))
+    engine.last_replay = None
+    if history is not None and requests and not engine.can_continue(requests):
+        engine.last_replay = {
+            "turns": turn,
+            "max_abs_logprob_difference": replay(engine, history, config.temperature, config.top_k, config.top_p),
+        }
     completions = iter(engine.generate(requests, config.temperature, config.top_k, config.top_p, tokenizer.decode))
 
     for row in rows:

@@ -51,3 +51,26 @@ def test_run_then_ls_show_lineage(tmp_path, capsys):
     assert chain[0].startswith("compute-advantages/") and chain[-1].startswith("policy/")
     assert sum(line.startswith("generate-rollouts/") for line in chain) >= 1
     assert main(["show", "compute-advantages/zzzz", "--runs-dir", runs]) == 2
+
+
+def test_eval_rolls_out_a_policy_without_storing_anything(tmp_path, capsys):
+    import json
+
+    runs = tmp_path / "runs"
+    assert main(["eval", "--runs-dir", str(runs), "--rollouts", "4", "--group-size", "2", "--max-turns", "3"]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    assert metrics["rollouts"] == 4 and 0.0 <= metrics["success_rate"] <= 1.0 and "per_task" in metrics
+    assert not runs.exists() or not any(p.name != ".prefect" for p in runs.iterdir())
+
+
+def test_a_model_without_a_chat_template_is_refused(tmp_path, capsys):
+    import shutil
+
+    from pipeline.models import EMBEDDED_POLICY
+
+    model = tmp_path / "model"
+    shutil.copytree(EMBEDDED_POLICY, model, ignore=shutil.ignore_patterns("chat_template.jinja"))
+    runs = tmp_path / "runs"
+    assert main(["run", "--runs-dir", str(runs), "--model", str(model)]) == 2
+    assert "has no chat template" in capsys.readouterr().err
+    assert not runs.exists() or not any(p.name != ".prefect" for p in runs.iterdir())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import pytest
 
@@ -23,6 +24,8 @@ def test_guess_number_ends_at_the_correct_guess_and_pays_for_speed():
         observation=[{"role": "tool", "content": "higher"}]
     )
     assert env.step(task, 3, "", [{"name": "guess"}], ["correct"]).done
+    reminded = env.step(task, 4, "I give up.", [], [])
+    assert not reminded.done and reminded.observation[0]["role"] == "user"
     solved_fast = {"turn": 0, "tool_calls": [{"result": "correct"}]}
     solved_slow = {"turn": 9, "tool_calls": [{"result": "correct"}]}
     assert env.reward(task, solved_fast) == 1.0 > env.reward(task, solved_slow) == pytest.approx(0.82)  # 1 - 9/50
@@ -142,3 +145,32 @@ def test_a_plugin_registers_a_tool_and_an_environment(tiny):
     finally:
         ENVIRONMENTS.pop("multiply", None)
         TOOLS.pop("multiply", None)
+
+
+class NoToolsEnv(CalculatorEnv):
+    name, tools = "no-tools", ()
+
+
+class UnknownToolEnv(CalculatorEnv):
+    name, tools = "unknown-tool", ("teleport",)
+
+
+class FailingStartEnv(CalculatorEnv):
+    name = "failing-start"
+
+    def sample_task(self, rng):
+        raise KeyError("dataset row")
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (NoToolsEnv(), "environment 'no-tools' lists no tools"),
+        (UnknownToolEnv(), "environment 'unknown-tool' uses unregistered tool(s) ['teleport']"),
+        (FailingStartEnv(), "environment 'failing-start' failed to start a task: KeyError"),
+    ],
+)
+def test_a_broken_environment_is_a_clear_error_before_any_rollout(monkeypatch, env, message):
+    monkeypatch.setitem(ENVIRONMENTS, env.name, env)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        rollout_starts(RunConfig(task={"name": env.name, "rollouts": 2, "group_size": 2}), iteration=0)

@@ -21,7 +21,7 @@ class ColdEngine(Engine):
 
 @pytest.fixture(scope="module")
 def config():
-    return RunConfig(seed=3, task={"rollouts": 8, "group_size": 4, "max_turns": 3}, generation={"max_new_tokens": 64})
+    return RunConfig(seed=3, task={"rollouts": 16, "group_size": 4, "max_turns": 3}, generation={"max_new_tokens": 64})
 
 
 def streams_and_logprobs(turns):
@@ -88,3 +88,30 @@ def test_top_k_and_top_p_filtering_by_hand():
 def test_split_thinking():
     assert split_thinking("<think>\nplan\n</think>\n\nanswer") == ("plan", "answer")
     assert split_thinking("just an answer") == ("", "just an answer")
+
+
+def test_a_cold_engine_replays_earlier_turns_and_continues_bit_identically(tiny, config):
+    """A resumed run has lost the engine's cache: replaying the stored turns rebuilds it with
+    the same forward passes, so the next turn equals the uninterrupted run's bit for bit."""
+    from stages.generate_rollouts import generate_rollouts
+
+    model, tokenizer = tiny
+    warm_engine = Engine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model))
+    uninterrupted = run_episodes(warm_engine, tokenizer, config)
+    assert max(uninterrupted["turn"]) >= 1
+    history = uninterrupted.filter(lambda row: row["turn"] == 0, keep_in_memory=True)
+    cold_engine = Engine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model))
+    resumed = generate_rollouts(
+        cold_engine,
+        tokenizer,
+        config=config.generation,
+        seed=config.seed,
+        iteration=0,
+        turn=1,
+        policy_version="in-memory",
+        history=history,
+    )
+    assert cold_engine.last_replay == {"turns": 1, "max_abs_logprob_difference": 0.0}
+    expected = uninterrupted.filter(lambda row: row["turn"] == 1, keep_in_memory=True)
+    assert resumed["completion_token_ids"] == expected["completion_token_ids"]
+    assert resumed["completion_logprobs"] == expected["completion_logprobs"]  # bit-identical floats

@@ -1,0 +1,84 @@
+"""Kill a real `mtrl run` with SIGKILL at 10 random moments, restart it each time, and check it
+ends with exactly the versions and bytes of an uninterrupted run (slow: ~2-3 minutes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.store import Store
+
+pytestmark = pytest.mark.slow
+ARGS = [
+    "--iterations",
+    "2",
+    "--task",
+    "calculator,guess-number",
+    "--rollouts",
+    "8",
+    "--group-size",
+    "4",
+    "--max-turns",
+    "10",
+    "--set",
+    "generation.max_new_tokens=48",
+]
+
+
+def start(runs_dir: Path, env: dict) -> subprocess.Popen:
+    command = [sys.executable, "-m", "pipeline.cli", "run", "--runs-dir", str(runs_dir), *ARGS]
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+
+
+def contents(runs_dir: Path) -> dict[str, dict]:
+    store = Store(runs_dir)
+    for manifest in store.versions():
+        assert store.verify(manifest["stage"], manifest["version"]) == []
+    return {f"{m['stage']}/{m['version']}": m["files"] for m in store.versions()}
+
+
+def test_sigkill_at_ten_random_moments_then_resume_gives_the_uninterrupted_data(tmp_path, prefect_server_env):
+    # One real Prefect server outlives the kills, so a restart costs its imports, not a server start.
+    reference = start(tmp_path / "reference", prefect_server_env)
+    assert reference.wait(timeout=600) == 0
+    expected = contents(tmp_path / "reference")
+
+    # Each kill lands at a random moment shortly after the run has made progress (a new version
+    # appeared), so that kills fall inside stages of every kind, not only during start-up.
+    rng = random.Random(1234)
+    faulted = tmp_path / "faulted"
+    kills = []
+    while len(kills) < 10:
+        before = len(list_versions(faulted))
+        process = start(faulted, prefect_server_env)
+        deadline = time.monotonic() + 300
+        while process.poll() is None and len(list_versions(faulted)) == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 0.2))
+        if process.poll() is not None:
+            pytest.fail(f"the run ended (code {process.returncode}) after only {len(kills)} kills")
+        os.killpg(process.pid, signal.SIGKILL)  # the run and its tool workers
+        process.wait()
+        kills.append(len(list_versions(faulted)))
+    final = start(faulted, prefect_server_env)
+    assert final.wait(timeout=600) == 0
+    print("versions on disk at each kill:", json.dumps(kills))
+    assert kills == sorted(kills) and kills[-1] < len(expected)  # progress between kills, not finished
+    assert [p for p in faulted.rglob(".tmp-*")] == []  # cleaned by the restarts (their writers are dead)
+    assert contents(faulted) == expected
+    replays = [m.get("replay") for m in Store(faulted).versions("generate-rollouts") if m.get("replay")]
+    assert all(r["max_abs_logprob_difference"] == 0.0 for r in replays)
+
+
+def list_versions(runs_dir: Path) -> list[dict]:
+    return Store(runs_dir).versions() if runs_dir.exists() else []
