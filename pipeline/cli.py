@@ -9,6 +9,7 @@ mtrl lineage STAGE/VERSION       its chain of parents back to the starting polic
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -103,8 +104,8 @@ def validate_choices(config: RunConfig) -> None:
         raise UsageError(
             f"unknown advantage estimator '{config.advantage.estimator}'; valid: {', '.join(sorted(ESTIMATORS))}"
         )
-    if config.runner.kind != "thread":
-        raise UsageError(f"runner '{config.runner.kind}' is not available yet; valid: thread")
+    if config.runner.kind == "ray" and importlib.util.find_spec("prefect_ray") is None:
+        raise UsageError("runner 'ray' needs the ray extra: pip install 'mtrl[ray]'")
     try:
         resolve_model_dir(config.model.path)
     except ModelError as exc:
@@ -116,17 +117,21 @@ def command_run(args: argparse.Namespace) -> None:
     validate_choices(config)
     from pipeline import prefect_env
 
-    prefect_env.configure(config.store.runs_dir)
-    from pipeline.flows import rl_training
-    from pipeline.models import load_tokenizer, resolve_model_dir
+    with prefect_env.api_for(config.store.runs_dir, config.runner.kind):
+        from pipeline.flows import rl_training
+        from pipeline.models import load_tokenizer, resolve_model_dir
+        from pipeline.runners import RunnerError
 
-    try:
-        load_tokenizer(resolve_model_dir(config.model.path))
-    except ModelError as exc:
-        raise UsageError(str(exc)) from None
-    started = time.time()
-    results = rl_training(config)
-    wall = time.time() - started
+        try:
+            load_tokenizer(resolve_model_dir(config.model.path))
+        except ModelError as exc:
+            raise UsageError(str(exc)) from None
+        started = time.time()
+        try:
+            results = rl_training(config)
+        except RunnerError as exc:
+            raise UsageError(str(exc)) from None
+        wall = time.time() - started
     store = Store(config.store.runs_dir)
     curve, png = write_report(store, policy_version=results[-1]["next_policy"])
     print(f"\n{curve}\n\nlearning curve: {png}")
@@ -153,13 +158,13 @@ def command_stage(args: argparse.Namespace) -> None:
     validate_choices(config)
     from pipeline import prefect_env
 
-    prefect_env.configure(config.store.runs_dir)
-    from pipeline.flows import rerun_stage
+    with prefect_env.api_for(config.store.runs_dir, config.runner.kind):
+        from pipeline.flows import rerun_stage
 
-    try:
-        version = rerun_stage(config, args.name, f"{source_stage}/{source_version}")
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+        try:
+            version = rerun_stage(config, args.name, f"{source_stage}/{source_version}")
+        except ValueError as exc:  # RunnerError included
+            raise UsageError(str(exc)) from None
     path = store.path(args.name, version)
     print(f"{args.name}/{version}\n  {path}\nLoad it with:  datasets.load_from_disk('{path}')")
 

@@ -13,7 +13,9 @@ its config section and its inputs' versions; the store on disk is the truth:
 """
 
 import functools
+import os
 import resource
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +31,7 @@ from pipeline.audit import AuditError, audit
 from pipeline.episodes import environment_code, execute_turn, generate_turn, load_plugins, rollout_metrics
 from pipeline.models import eos_token_ids, load_model, load_tokenizer, pick_device, resolve_model_dir
 from pipeline.report import write_report
+from pipeline.runners import DISTRIBUTED_STAGES, stage_runner
 from pipeline.store import POLICY, Store, file_digests, source_version, version_key
 from schemas.config import RunConfig
 from schemas.features import PPO_UPDATE, dataset_from_rows, token_counts
@@ -94,9 +97,14 @@ def stage_version(config: RunConfig, stage: str, parents: dict[str, str], **posi
 # ---------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=4)
+def cached_tokenizer(model_dir: str) -> Any:
+    return load_tokenizer(model_dir)
+
+
 @functools.lru_cache(maxsize=1)
 def _runtime(model_dir: str, dtype: str, device: str) -> tuple[Any, Any, generate_rollouts.Engine]:
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = cached_tokenizer(model_dir)
     model = load_model(model_dir, dtype, device)
     engine = generate_rollouts.Engine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model))
     return model, tokenizer, engine
@@ -157,6 +165,7 @@ def write_stage(
             "code_version": CODE_VERSIONS[stage],
             "tokens": token_counts(dataset),
             "wall_s": round(time.time() - started, 3),
+            "process": {"host": socket.gethostname(), "pid": os.getpid()},  # where it ran (runner)
             **extra,
         },
     )
@@ -186,16 +195,26 @@ def stage_task(stage: str) -> Callable[[Callable[..., str]], Any]:
 
 
 def run_stage(
-    prefect_task: Any, config: RunConfig, parents: dict[str, str], position: dict[str, int] | None = None, **inputs: Any
+    prefect_task: Any,
+    config: RunConfig,
+    parents: dict[str, str],
+    position: dict[str, int] | None = None,
+    runner: Any | None = None,
+    **inputs: Any,
 ) -> str:
-    """Run a stage task on these inputs; its version is known before it runs."""
+    """Run a stage task on these inputs (in this process, or on `runner` for the stages it
+    takes); its version is known before it runs."""
     stage = prefect_task.name
     version = stage_version(config, stage, parents, **(position or {}))
     store = Store(config.store.runs_dir)
-    return prefect_task.with_options(
+    configured = prefect_task.with_options(
         refresh_cache=not store.exists(stage, version),
         result_storage=store.root / ".prefect" / "results",
-    )(config=config, version=version, parents=parents, **(position or {}), **inputs)
+    )
+    parameters = {"config": config, "version": version, "parents": parents, **(position or {}), **inputs}
+    if runner is not None and stage in DISTRIBUTED_STAGES:
+        return runner.submit(configured, parameters).result()
+    return configured(**parameters)
 
 
 def load_rounds(store: Store, tools_version: str) -> datasets.Dataset:
@@ -228,11 +247,12 @@ def generate_rollouts_task(config: RunConfig, version: str, parents: dict[str, s
 @stage_task("execute-tools")
 def execute_tools_task(config: RunConfig, version: str, parents: dict[str, str]) -> str:
     store = Store(config.store.runs_dir)
+    load_plugins(config.task.plugins)  # a Ray worker has not imported them yet
 
     def compute() -> tuple[datasets.Dataset, dict[str, Any]]:
         turns = store.load("generate-rollouts", parents["generate-rollouts"])
         policy_version = store.manifest("generate-rollouts", parents["generate-rollouts"])["parents"][POLICY]
-        _, tokenizer, _ = policy_runtime(store, config, policy_version)
+        tokenizer = cached_tokenizer(str(store.policy_dir(policy_version)))
         dataset = execute_turn(turns, tokenizer, config)
         stops = dataset["stop_reason"]
         summary = {
@@ -249,6 +269,7 @@ def execute_tools_task(config: RunConfig, version: str, parents: dict[str, str])
 @stage_task("assign-rewards")
 def assign_rewards_task(config: RunConfig, version: str, parents: dict[str, str]) -> str:
     store = Store(config.store.runs_dir)
+    load_plugins(config.task.plugins)  # a Ray worker has not imported them yet
 
     def compute() -> tuple[datasets.Dataset, dict[str, Any]]:
         turns = load_rounds(store, parents["execute-tools"])
@@ -412,7 +433,7 @@ def rl_iteration(config: RunConfig, iteration: int | None = None, policy_version
     (what a scheduled deployment run does). One iteration at a time per store: a file lock."""
     load_plugins(config.task.plugins)
     store = Store(config.store.runs_dir)
-    with store.lock():
+    with store.lock(), stage_runner(config.runner) as runner:
         store.clean_stale_tmp()
         if policy_version is None:
             policy_version = latest_policy(store) or import_base_policy(store, config)
@@ -427,10 +448,10 @@ def rl_iteration(config: RunConfig, iteration: int | None = None, policy_version
                 {POLICY: policy_version, **({"execute-tools": previous} if previous else {})},
                 position={"iteration": iteration, "turn": turn},
             )
-            previous = run_stage(execute_tools_task, config, {"generate-rollouts": generated})
+            previous = run_stage(execute_tools_task, config, {"generate-rollouts": generated}, runner=runner)
             if store.manifest("execute-tools", previous)["active"] == 0:
                 break
-        rewarded = run_stage(assign_rewards_task, config, {"execute-tools": previous})
+        rewarded = run_stage(assign_rewards_task, config, {"execute-tools": previous}, runner=runner)
         reference = reference_policy(store, policy_version)
         advantaged = run_stage(
             compute_advantages_task, config, advantage_parents(config, rewarded, policy_version, reference)
@@ -465,9 +486,10 @@ def rl_training(config: RunConfig) -> list[dict[str, Any]]:
     with store.lock():
         policy_version = import_base_policy(store, config)
     results = []
-    for iteration in range(config.iterations):
-        results.append(rl_iteration(config, iteration=iteration, policy_version=policy_version))
-        policy_version = results[-1]["next_policy"]
+    with stage_runner(config.runner):  # one Ray for all iterations (each iteration reuses it)
+        for iteration in range(config.iterations):
+            results.append(rl_iteration(config, iteration=iteration, policy_version=policy_version))
+            policy_version = results[-1]["next_policy"]
     return results
 
 
@@ -510,9 +532,9 @@ def rerun_stage(config: RunConfig, stage: str, source: str) -> str:
             f"`mtrl stage {stage}` runs on {expected.get(stage, '?')}/VERSION; stages: {', '.join(RERUNNABLE)}"
         )
     policy = generating_policy(store, source_stage, source_version)
-    with store.lock():
+    with store.lock(), stage_runner(config.runner) as runner:
         if stage == "assign-rewards":
-            return run_stage(assign_rewards_task, config, {"execute-tools": source_version})
+            return run_stage(assign_rewards_task, config, {"execute-tools": source_version}, runner=runner)
         if stage == "compute-advantages":
             parents = advantage_parents(config, source_version, policy, reference_policy(store, policy))
             return run_stage(compute_advantages_task, config, parents)

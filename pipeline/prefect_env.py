@@ -7,12 +7,24 @@ slow machine, and no warnings from stage functions called outside a flow.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 
+def prefect_home(runs_dir: str | Path) -> Path:
+    return Path(runs_dir).resolve() / ".prefect"
+
+
 def configure(runs_dir: str | Path) -> None:
-    home = Path(runs_dir).resolve() / ".prefect"
+    home = prefect_home(runs_dir)
     defaults = {
         "DO_NOT_TRACK": "1",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -35,3 +47,67 @@ def configure(runs_dir: str | Path) -> None:
 
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_server(home: str | Path, timeout_s: float = 180) -> Iterator[str]:
+    """A real `prefect server start` on 127.0.0.1 (a free port) with its own PREFECT_HOME, for
+    processes that cannot share an ephemeral server (Ray workers, deployments). Yields the API
+    URL and stops the server on exit."""
+    port = free_port()
+    environment = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    environment.pop("PREFECT_API_URL", None)
+    Path(home).mkdir(parents=True, exist_ok=True)
+    with open(Path(home) / "server.log", "ab") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"],
+            env=environment,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not _healthy(url):
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the Prefect server did not start; see {Path(home) / 'server.log'}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return urllib.request.urlopen(f"{url}/health", timeout=2).read() == b"true"
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def api_for(runs_dir: str | Path, runner_kind: str) -> Iterator[None]:
+    """configure(), plus a local server for the Ray runner when PREFECT_API_URL is unset: Ray
+    workers are other processes and must all report to one API."""
+    configure(runs_dir)
+    if runner_kind != "ray" or os.environ.get("PREFECT_API_URL"):
+        yield
+        return
+    # Stopped at exit, after Prefect's own exit hooks have sent the last logs (hooks run in
+    # reverse order of registration, and this one is registered before Prefect starts).
+    server = contextlib.ExitStack()
+    url = server.enter_context(local_server(prefect_home(runs_dir) / "server"))
+    atexit.register(server.close)
+    print(f"started a Prefect server for the Ray workers at {url} (PREFECT_API_URL)", file=sys.stderr)
+    os.environ["PREFECT_API_URL"] = url
+    yield

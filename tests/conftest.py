@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -57,38 +52,10 @@ def small_config(tmp_path):
     )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def prefect_server_env(tmp_path_factory):
     """A real `prefect server start` on 127.0.0.1 with its own PREFECT_HOME; yields the environment
     for client processes (PREFECT_API_URL set)."""
-    home, port = tmp_path_factory.mktemp("prefect-home"), free_port()
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
-    env.pop("PREFECT_API_URL", None)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if urllib.request.urlopen(f"{url}/health", timeout=2).read() == b"true":
-                break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        process.kill()
-        pytest.fail("the Prefect server did not start")
-    client_env = {**env, "PREFECT_API_URL": url, "PREFECT_RUNNER_POLL_FREQUENCY": "1", "TMPDIR": str(home)}
-    yield client_env
-    process.terminate()
-    process.wait(timeout=30)
+    home = tmp_path_factory.mktemp("prefect-home")
+    with prefect_env.local_server(home) as url:
+        yield {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": url, "PREFECT_RUNNER_POLL_FREQUENCY": "1"}

@@ -1,0 +1,90 @@
+"""Where execute-tools and assign-rewards run (`runner.kind`).
+
+- `thread`: in the flow's own process (tool calls still run in killable worker processes).
+- `ray`: as Ray tasks through prefect-ray, on an in-process local Ray kept on 127.0.0.1, or on
+  the cluster at `runner.ray_address`. Generation and training stay in the process that holds
+  the model. The runner changes where a stage runs, never its version or its bytes.
+
+Ray workers are separate processes: without a Prefect server to talk to, each one would start
+its own temporary server and its task runs would land there (shared/notes/prefect.md, §6), so
+the ray runner requires PREFECT_API_URL (`mtrl run` starts a local server when it is unset).
+On a cluster, the runs directory must be on a filesystem every node sees, and the API URL
+must be reachable from the nodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+from schemas.config import RunnerConfig
+
+DISTRIBUTED_STAGES = frozenset({"execute-tools", "assign-rewards"})
+
+# Ray 2.60 would otherwise advertise the machine's LAN address, turn token auth on (writing
+# ~/.ray/auth_token) and send usage stats (shared/notes/prefect.md, §6).
+RAY_ENVIRONMENT = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_DEDUP_LOGS": "0",
+}
+
+
+class RunnerError(ValueError):
+    """The runner cannot start (no Prefect API for Ray workers, Ray missing, bad address)."""
+
+
+def prefect_api_url() -> str | None:
+    from prefect.settings import get_current_settings
+
+    return get_current_settings().api.url
+
+
+@contextlib.contextmanager
+def stage_runner(config: RunnerConfig) -> Iterator[Any | None]:
+    """The task runner for DISTRIBUTED_STAGES: None (run in this process) or a started
+    RayTaskRunner, shut down on exit if it started Ray itself."""
+    if config.kind == "thread":
+        yield None
+        return
+    api_url = prefect_api_url()
+    if not api_url:
+        raise RunnerError(
+            "runner 'ray' needs a Prefect server that the Ray workers can reach: start one with "
+            "`prefect server start --host 127.0.0.1` and export PREFECT_API_URL=http://127.0.0.1:4200/api "
+            "(`mtrl run --runner ray` does this itself when PREFECT_API_URL is unset)"
+        )
+    for name, value in RAY_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    try:
+        from prefect_ray import RayTaskRunner
+    except ImportError:
+        raise RunnerError("runner 'ray' needs the ray extra: pip install 'mtrl[ray]'") from None
+
+    temp_dir = None
+    if config.ray_address:  # the cluster's workers do not inherit this process's environment
+        workers_environment = {"env_vars": {"PREFECT_API_URL": api_url, **RAY_ENVIRONMENT}}
+        runner = RayTaskRunner(address=config.ray_address, init_kwargs={"runtime_env": workers_environment})
+    else:
+        # a short path: Ray's socket paths must stay under ~107 characters
+        temp_dir = tempfile.mkdtemp(prefix="mtrl-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
+        runner = RayTaskRunner(
+            init_kwargs={
+                "num_cpus": os.cpu_count(),
+                "include_dashboard": False,
+                "_node_ip_address": "127.0.0.1",
+                "_temp_dir": temp_dir,
+                "log_to_driver": False,
+            }
+        )
+    try:
+        with runner:
+            yield runner
+    finally:
+        if temp_dir:
+            shutil.rmtree(temp_dir, ignore_errors=True)

@@ -1,0 +1,40 @@
+"""`--runner ray` runs execute-tools and assign-rewards as Ray tasks (real local Ray, real
+Prefect server started by mtrl) and writes exactly the versions of `--runner thread` (slow)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.store import Store
+
+pytestmark = pytest.mark.slow
+ARGS = ["--iterations", "1", "--task", "calculator,weather", "--rollouts", "8", "--group-size", "4", "--max-turns", "3"]
+
+
+def mtrl_run(runs_dir: Path, runner: str, env: dict) -> str:
+    command = [sys.executable, "-m", "pipeline.cli", "run", "--runs-dir", str(runs_dir), "--runner", runner, *ARGS]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return done.stderr
+
+
+def test_ray_runner_writes_the_versions_of_the_thread_runner(tmp_path, prefect_server_env):
+    mtrl_run(tmp_path / "thread", "thread", prefect_server_env)
+    without_api = {k: v for k, v in prefect_server_env.items() if k not in ("PREFECT_API_URL", "PREFECT_HOME")}
+    log = mtrl_run(tmp_path / "ray", "ray", without_api)
+    assert "started a Prefect server for the Ray workers at http://127.0.0.1:" in log
+
+    threaded, distributed = Store(tmp_path / "thread"), Store(tmp_path / "ray")
+    expected = {f"{m['stage']}/{m['version']}": m["files"] for m in threaded.versions()}
+    assert {f"{m['stage']}/{m['version']}": m["files"] for m in distributed.versions()} == expected
+
+    def processes(store: Store, stage: str) -> set[int]:
+        return {m["process"]["pid"] for m in store.versions(stage)}
+
+    (driver,) = processes(distributed, "generate-rollouts")  # generation stays with the model
+    assert driver not in processes(distributed, "execute-tools") | processes(distributed, "assign-rewards")
+    assert processes(threaded, "execute-tools") == processes(threaded, "generate-rollouts")
