@@ -38,3 +38,15 @@ def test_ray_runner_writes_the_versions_of_the_thread_runner(tmp_path, prefect_s
     (driver,) = processes(distributed, "generate-rollouts")  # generation stays with the model
     assert driver not in processes(distributed, "execute-tools") | processes(distributed, "assign-rewards")
     assert processes(threaded, "execute-tools") == processes(threaded, "generate-rollouts")
+
+
+def test_the_ray_runner_refuses_to_start_without_a_prefect_api():
+    """Without an API each Ray worker would start its own temporary server: a clear error instead."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from pipeline.runners import RunnerError, stage_runner
+    from schemas.config import RunnerConfig
+
+    with temporary_settings(restore_defaults={PREFECT_API_URL}), pytest.raises(RunnerError, match="Prefect server"):
+        with stage_runner(RunnerConfig(kind="ray")):
+            pass
