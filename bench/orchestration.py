@@ -59,6 +59,7 @@ def prefect_unit_costs(repeats: int = 40) -> dict:
 
 
 def run(runner: str, args: argparse.Namespace, workdir: Path) -> dict:
+    """runner: `thread`, or `ray:N` for the ray runner with execute-tools split over N Ray tasks."""
     from pipeline.flows import import_base_policy, rl_iteration
     from pipeline.runners import stage_runner
     from pipeline.store import Store
@@ -67,8 +68,8 @@ def run(runner: str, args: argparse.Namespace, workdir: Path) -> dict:
     config = RunConfig(
         iterations=args.iterations,
         task={"name": args.task, "rollouts": args.rollouts, "group_size": args.group_size, "max_turns": args.max_turns},
-        runner={"kind": runner},
-        store={"runs_dir": workdir / runner},
+        runner={"kind": runner.split(":")[0], "shards": int(runner.split(":")[1]) if ":" in runner else 1},
+        store={"runs_dir": workdir / runner.replace(":", "-")},
     )
     store = Store(config.store.runs_dir)
     policy = import_base_policy(store, config)
@@ -110,7 +111,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-turns", type=int, default=4)
     parser.add_argument("--task", default="calculator,weather")
-    parser.add_argument("--runners", default="thread,ray")
+    parser.add_argument("--runners", default="thread,ray:1,ray:4")
     parser.add_argument("--out", type=Path, default=Path("bench/results/orchestration.json"))
     args = parser.parse_args()
 

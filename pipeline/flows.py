@@ -31,7 +31,7 @@ from pipeline.audit import AuditError, audit
 from pipeline.episodes import environment_code, execute_turn, generate_turn, load_plugins, rollout_metrics
 from pipeline.models import eos_token_ids, load_model, load_tokenizer, pick_device, resolve_model_dir
 from pipeline.report import write_report
-from pipeline.runners import DISTRIBUTED_STAGES, stage_runner
+from pipeline.runners import DISTRIBUTED_STAGES, map_row_shards, stage_runner
 from pipeline.store import POLICY, Store, file_digests, source_version, version_key
 from schemas.config import RunConfig
 from schemas.features import PPO_UPDATE, dataset_from_rows, token_counts
@@ -244,6 +244,12 @@ def generate_rollouts_task(config: RunConfig, version: str, parents: dict[str, s
     return write_stage(config, "generate-rollouts", version, parents, compute, iteration=iteration, turn=turn)
 
 
+def execute_shard(turns: datasets.Dataset, model_dir: str, config: RunConfig) -> datasets.Dataset:
+    """execute-tools on some of a turn's rows (all of them, or one Ray shard)."""
+    load_plugins(config.task.plugins)  # a Ray worker has not imported them yet
+    return execute_turn(turns, cached_tokenizer(model_dir), config)
+
+
 @stage_task("execute-tools")
 def execute_tools_task(config: RunConfig, version: str, parents: dict[str, str]) -> str:
     store = Store(config.store.runs_dir)
@@ -252,8 +258,7 @@ def execute_tools_task(config: RunConfig, version: str, parents: dict[str, str])
     def compute() -> tuple[datasets.Dataset, dict[str, Any]]:
         turns = store.load("generate-rollouts", parents["generate-rollouts"])
         policy_version = store.manifest("generate-rollouts", parents["generate-rollouts"])["parents"][POLICY]
-        tokenizer = cached_tokenizer(str(store.policy_dir(policy_version)))
-        dataset = execute_turn(turns, tokenizer, config)
+        dataset = map_row_shards(execute_shard, turns, config.runner, str(store.policy_dir(policy_version)), config)
         stops = dataset["stop_reason"]
         summary = {
             "active": sum(s is None for s in stops),

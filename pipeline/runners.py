@@ -2,8 +2,10 @@
 
 - `thread`: in the flow's own process (tool calls still run in killable worker processes).
 - `ray`: as Ray tasks through prefect-ray, on an in-process local Ray kept on 127.0.0.1, or on
-  the cluster at `runner.ray_address`. Generation and training stay in the process that holds
-  the model. The runner changes where a stage runs, never its version or its bytes.
+  the cluster at `runner.ray_address`; execute-tools further splits its rows over
+  `runner.shards` Ray tasks (tool calls are independent per row). Generation and training stay
+  in the process that holds the model. The runner changes where a stage runs, never its
+  version or its bytes.
 
 Ray workers are separate processes: without a Prefect server to talk to, each one would start
 its own temporary server and its task runs would land there (shared/notes/prefect.md, §6), so
@@ -18,8 +20,10 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import datasets
 
 from schemas.config import RunnerConfig
 
@@ -88,3 +92,23 @@ def stage_runner(config: RunnerConfig) -> Iterator[Any | None]:
     finally:
         if temp_dir:
             shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def map_row_shards(
+    function: Callable[..., datasets.Dataset], rows: datasets.Dataset, config: RunnerConfig, *args: Any
+) -> datasets.Dataset:
+    """function(rows, *args) for a row-wise stage: in this process, or, inside a ray runner,
+    over `config.shards` contiguous row shards as Ray tasks. The result is rebuilt as one table
+    in row order, so it is the same dataset (and the same bytes on disk) either way."""
+    import importlib.util
+
+    shards = min(config.shards, len(rows))
+    if config.kind != "ray" or shards < 2 or importlib.util.find_spec("ray") is None:
+        return function(rows, *args)
+    import ray
+
+    if not ray.is_initialized():
+        return function(rows, *args)
+    remote = ray.remote(function)
+    parts = ray.get([remote.remote(rows.shard(shards, i, contiguous=True), *args) for i in range(shards)])
+    return datasets.Dataset.from_list([row for part in parts for row in part.to_list()], features=parts[0].features)

@@ -147,6 +147,9 @@ class RunnerConfig(Section):
     kind: Literal["thread", "ray"] = Field("thread", description="Where tools and rewards run.")
     max_workers: int = Field(8, ge=1, le=1024, description="Parallel tool calls.")
     ray_address: str | None = Field(None, description="Ray cluster address; empty means a local in-process Ray.")
+    shards: int = Field(
+        1, ge=1, le=4096, description="With ray: Ray tasks that share one execute-tools stage's rows (tool calls)."
+    )
 
 
 class RunConfig(Section):

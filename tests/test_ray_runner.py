@@ -3,6 +3,7 @@ Prefect server started by mtrl) and writes exactly the versions of `--runner thr
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ ARGS = ["--iterations", "1", "--task", "calculator,weather", "--rollouts", "8", 
 
 def mtrl_run(runs_dir: Path, runner: str, env: dict) -> str:
     command = [sys.executable, "-m", "pipeline.cli", "run", "--runs-dir", str(runs_dir), "--runner", runner, *ARGS]
+    command += ["--set", "runner.shards=3"]  # execute-tools rows split over 3 Ray tasks (ignored by threads)
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return done.stderr
@@ -50,3 +52,35 @@ def test_the_ray_runner_refuses_to_start_without_a_prefect_api():
     with temporary_settings(restore_defaults={PREFECT_API_URL}), pytest.raises(RunnerError, match="Prefect server"):
         with stage_runner(RunnerConfig(kind="ray")):
             pass
+
+
+def _tag_with_pid(rows):
+    return rows.map(lambda row: {"pid": os.getpid()})
+
+
+def test_row_shards_run_as_ray_tasks_and_come_back_in_order(monkeypatch):
+    from pipeline.runners import RAY_ENVIRONMENT, map_row_shards
+    from schemas.config import RunnerConfig
+
+    for name, value in RAY_ENVIRONMENT.items():  # before Ray is imported: it reads them then
+        monkeypatch.setenv(name, value)
+    import datasets
+    import ray
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import a test module
+
+    @ray.remote
+    def stage() -> tuple[int, list[int], list[int], str]:
+        rows = datasets.Dataset.from_dict({"x": list(range(10))})
+        out = map_row_shards(_tag_with_pid, rows, RunnerConfig(kind="ray", shards=4))
+        return os.getpid(), out["x"], out["pid"], ray.util.get_node_ip_address()
+
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        stage_pid, order, pids, address = ray.get(stage.remote())
+    finally:
+        ray.shutdown()
+    assert address == "127.0.0.1"  # kept on loopback
+    assert order == list(range(10))
+    assert stage_pid not in pids and len(set(pids)) >= 2  # other workers did the rows
