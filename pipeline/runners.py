@@ -17,6 +17,7 @@ must be reachable from the nodes.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -66,12 +67,15 @@ def stage_runner(config: RunnerConfig) -> Iterator[Any | None]:
     for name, value in RAY_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
     try:
+        import ray
         from prefect_ray import RayTaskRunner
     except ImportError:
         raise RunnerError("runner 'ray' needs the ray extra: pip install 'mtrl[ray]'") from None
 
     temp_dir = None
-    if config.ray_address:  # the cluster's workers do not inherit this process's environment
+    if ray.is_initialized():  # e.g. rl-training's Ray, reused by each rl-iteration
+        runner = RayTaskRunner()
+    elif config.ray_address:  # the cluster's workers do not inherit this process's environment
         workers_environment = {"env_vars": {"PREFECT_API_URL": api_url, **RAY_ENVIRONMENT}}
         runner = RayTaskRunner(address=config.ray_address, init_kwargs={"runtime_env": workers_environment})
     else:
@@ -100,8 +104,6 @@ def map_row_shards(
     """function(rows, *args) for a row-wise stage: in this process, or, inside a ray runner,
     over `config.shards` contiguous row shards as Ray tasks. The result is rebuilt as one table
     in row order, so it is the same dataset (and the same bytes on disk) either way."""
-    import importlib.util
-
     shards = min(config.shards, len(rows))
     if config.kind != "ray" or shards < 2 or importlib.util.find_spec("ray") is None:
         return function(rows, *args)
