@@ -119,12 +119,12 @@ def main() -> None:
     from pipeline import prefect_env
 
     os.environ.pop("PREFECT_API_URL", None)
-    with prefect_env.api_for(workdir, "ray"):  # a real local server, stopped at exit
-        import torch
+    prefect_env.configure_api(workdir, "ray")  # a real local server, stopped at exit
+    import torch
 
-        torch.set_num_threads(os.cpu_count() or 1)
-        units = prefect_unit_costs()
-        results = {runner: run(runner, args, workdir) for runner in args.runners.split(",")}
+    torch.set_num_threads(os.cpu_count() or 1)
+    units = prefect_unit_costs()
+    results = {runner: run(runner, args, workdir) for runner in args.runners.split(",")}
 
     for result in results.values():
         steady = result["iterations"][1:] or result["iterations"]  # the first one pays model loads

@@ -117,21 +117,21 @@ def command_run(args: argparse.Namespace) -> None:
     validate_choices(config)
     from pipeline import prefect_env
 
-    with prefect_env.api_for(config.store.runs_dir, config.runner.kind):
-        from pipeline.flows import rl_training
-        from pipeline.models import load_tokenizer, resolve_model_dir
-        from pipeline.runners import RunnerError
+    prefect_env.configure_api(config.store.runs_dir, config.runner.kind)
+    from pipeline.flows import rl_training
+    from pipeline.models import load_tokenizer, resolve_model_dir
+    from pipeline.runners import RunnerError
 
-        try:
-            load_tokenizer(resolve_model_dir(config.model.path))
-        except ModelError as exc:
-            raise UsageError(str(exc)) from None
-        started = time.time()
-        try:
-            results = rl_training(config)
-        except RunnerError as exc:
-            raise UsageError(str(exc)) from None
-        wall = time.time() - started
+    try:
+        load_tokenizer(resolve_model_dir(config.model.path))
+    except ModelError as exc:
+        raise UsageError(str(exc)) from None
+    started = time.time()
+    try:
+        results = rl_training(config)
+    except RunnerError as exc:
+        raise UsageError(str(exc)) from None
+    wall = time.time() - started
     store = Store(config.store.runs_dir)
     curve, png = write_report(store, policy_version=results[-1]["next_policy"])
     print(f"\n{curve}\n\nlearning curve: {png}")
@@ -158,13 +158,13 @@ def command_stage(args: argparse.Namespace) -> None:
     validate_choices(config)
     from pipeline import prefect_env
 
-    with prefect_env.api_for(config.store.runs_dir, config.runner.kind):
-        from pipeline.flows import rerun_stage
+    prefect_env.configure_api(config.store.runs_dir, config.runner.kind)
+    from pipeline.flows import rerun_stage
 
-        try:
-            version = rerun_stage(config, args.name, f"{source_stage}/{source_version}")
-        except ValueError as exc:  # RunnerError included
-            raise UsageError(str(exc)) from None
+    try:
+        version = rerun_stage(config, args.name, f"{source_stage}/{source_version}")
+    except ValueError as exc:  # RunnerError included
+        raise UsageError(str(exc)) from None
     path = store.path(args.name, version)
     print(f"{args.name}/{version}\n  {path}\nLoad it with:  datasets.load_from_disk('{path}')")
 

@@ -95,13 +95,11 @@ def _healthy(url: str) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def api_for(runs_dir: str | Path, runner_kind: str) -> Iterator[None]:
+def configure_api(runs_dir: str | Path, runner_kind: str) -> None:
     """configure(), plus a local server for the Ray runner when PREFECT_API_URL is unset: Ray
     workers are other processes and must all report to one API."""
     configure(runs_dir)
     if runner_kind != "ray" or os.environ.get("PREFECT_API_URL"):
-        yield
         return
     # Stopped at exit, after Prefect's own exit hooks have sent the last logs (hooks run in
     # reverse order of registration, and this one is registered before Prefect starts).
@@ -110,4 +108,3 @@ def api_for(runs_dir: str | Path, runner_kind: str) -> Iterator[None]:
     atexit.register(server.close)
     print(f"started a Prefect server for the Ray workers at {url} (PREFECT_API_URL)", file=sys.stderr)
     os.environ["PREFECT_API_URL"] = url
-    yield
