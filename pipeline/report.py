@@ -18,6 +18,7 @@ COLUMNS = (  # (key, header, width, decimals)
     ("success_rate", "success", 7, 3),
     ("reward_mean", "reward", 7, 3),
     ("mean_turns", "turns", 6, 2),
+    ("mean_turns_to_solve", "solve t", 7, 2),  # mean turns of the solved rollouts
     ("mean_gen_tokens_per_rollout", "gen tok", 7, 1),
     ("policy_loss", "pg loss", 8, 4),
     ("kl", "kl", 7, 4),
@@ -84,6 +85,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     left.set(xlabel="iteration", ylim=(-0.02, 1.02), title="rollouts")
     left.legend()
     right.plot(x, [row.get("mean_turns") for row in rows], marker="o", label="mean turns")
+    right.plot(x, [row.get("mean_turns_to_solve") for row in rows], marker=".", label="mean turns when solved")
     right.set(xlabel="iteration", title="episode length")
     right.legend()
     figure.tight_layout()

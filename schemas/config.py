@@ -113,6 +113,15 @@ class PPOConfig(Section):
     epochs: int = Field(1, ge=1, le=100, description="Passes over the iteration's rollouts.")
     minibatch_rollouts: int = Field(16, ge=1, description="Rollouts per optimiser step.")
     micro_batch_rollouts: int = Field(16, ge=1, description="Rollouts per forward/backward (gradient accumulation).")
+    max_tokens_per_micro_batch: int = Field(
+        0,
+        ge=0,
+        description="Pack rollouts into forward/backward passes of at most this many tokens, no padding "
+        "(0 = micro_batch_rollouts padded rollouts per pass).",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute layer activations in the backward pass (less memory, more compute)."
+    )
     clip_low: float = Field(0.2, ge=0.0, le=1.0, description="Ratio clip below 1 (epsilon_low).")
     clip_high: float = Field(0.28, ge=0.0, le=10.0, description="Ratio clip above 1 (epsilon_high, clip-higher).")
     clip_ratio_c: float | None = Field(3.0, gt=1.0, description="Dual clip for negative advantages (null = off).")

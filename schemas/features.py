@@ -23,6 +23,7 @@ GENERATE_ROLLOUTS = Features(
         "task": Value("string"),  # environment name
         "task_id": Value("string"),
         "task_payload": Value("string"),  # JSON of the task (question, hidden answer, ...)
+        "env_state": Value("string"),  # JSON of the environment's state before this turn ({} at turn 0)
         "iteration": Value("int32"),
         "turn": Value("int32"),
         "policy_version": Value("string"),
@@ -55,6 +56,7 @@ EXECUTE_TOOLS = Features(
         "observation": Value("string"),
         "observation_token_ids": TOKENS,  # appended after the completion
         "next_stop": List(Value("string")),  # stop strings the environment set for the next turn
+        "next_env_state": Value("string"),  # JSON of the environment's state after this turn
         "turn_reward": Value("float32"),
         "terminated": Value("bool"),  # natural end (final answer, solved, ...)
         "truncated": Value("bool"),  # cut: max turns, context overflow, length

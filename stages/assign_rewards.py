@@ -4,7 +4,8 @@ finished rollouts.
 An environment is a plain Python class (see Environment below):
     sample_task(rng) -> a task: a JSON-serialisable dict, stored with every row
     reset(task) -> the initial chat messages
-    step(task, turn, assistant_text, tool_calls, tool_results) -> EnvStep(observation, reward, done, stop)
+    step(task, turn, assistant_text, tool_calls, tool_results, state)
+        -> EnvStep(observation, reward, done, stop, state)
     reward(task, final_turn) -> the outcome reward of a rollout that ended naturally
     demonstration(task) -> an expert conversation (used to warm-start the embedded model)
 Its tools are named in `tools` and implemented in stages/execute_tools/tools.py.
@@ -35,6 +36,7 @@ class EnvStep:
     reward: float = 0.0  # per-turn reward, stored on the turn's row
     done: bool = False  # natural end of the episode
     stop: list[str] | None = None  # stop strings for the next generation
+    state: dict[str, Any] | None = None  # the state the next step receives (JSON); None keeps it
 
 
 class Environment:
@@ -56,8 +58,11 @@ class Environment:
         assistant_text: str,
         tool_calls: list[dict[str, Any]],
         tool_results: list[str],
+        state: dict[str, Any],
     ) -> EnvStep:
-        """Default: tool results are the observation; a turn without tool calls is the answer."""
+        """Default: tool results are the observation; a turn without tool calls is the answer.
+        `state` is what the previous step returned as EnvStep.state ({} at turn 0): an
+        environment keeps what it learned about the episode there (stored on every row)."""
         if not tool_calls:
             return EnvStep(done=True)
         return EnvStep(observation=[{"role": "tool", "content": result} for result in tool_results])
@@ -144,10 +149,21 @@ GUESS_REMINDER = "Use the guess tool to guess the number."
 class GuessNumberEnv(Environment):
     """Find a hidden number with the guess tool (answers: higher, lower, correct). Long
     horizon: the episode ends at the correct guess or at max turns (up to 50); a turn without
-    a guess gets a reminder instead of ending the game; fewer turns, more reward."""
+    a guess gets a reminder instead of ending the game; fewer turns, more reward.
+
+    Per-turn reward: the information a turn's guesses gained, `information_reward` x the
+    fraction of log(range size) by which they shrank the interval that can still hold the
+    number (the interval is the environment's state). It is potential-based shaping (Ng et
+    al., 1999; potential = -information_reward x log(interval size) / log(range size)): it
+    sums to information_reward for every solved game whatever the path, so among solved games
+    the shortest still earns the most, but each turn is credited when it happens instead of
+    only at the end of a long episode. A bisecting guess gains the most; a guess outside the
+    interval or a malformed call gains nothing.
+    """
 
     name = "guess-number"
     tools = ("guess",)
+    information_reward = 0.5
 
     def sample_task(self, rng: random.Random) -> dict[str, Any]:
         low, high = GUESS_RANGE
@@ -157,12 +173,26 @@ class GuessNumberEnv(Environment):
         )
         return {"question": question, "secret": rng.randint(low, high)}
 
-    def step(self, task, turn, assistant_text, tool_calls, tool_results) -> EnvStep:
+    def step(self, task, turn, assistant_text, tool_calls, tool_results, state) -> EnvStep:
+        low, high = state.get("low", GUESS_RANGE[0]), state.get("high", GUESS_RANGE[1])
+        before = high - low + 1
+        for call, result in zip(tool_calls, tool_results):
+            if result == "correct":
+                low = high = task["secret"]
+            elif result == "higher":  # the tool accepted the call: its number is an integer
+                low = max(low, call["arguments"]["number"] + 1)
+            elif result == "lower":
+                high = min(high, call["arguments"]["number"] - 1)
+        full_range = GUESS_RANGE[1] - GUESS_RANGE[0] + 1
+        gained = self.information_reward * math.log(before / (high - low + 1)) / math.log(full_range)
+        state = {"low": low, "high": high}
         if "correct" in tool_results:
-            return EnvStep(done=True)
+            return EnvStep(done=True, reward=gained, state=state)
         if not tool_calls:
-            return EnvStep(observation=[{"role": "user", "content": GUESS_REMINDER}])
-        return super().step(task, turn, assistant_text, tool_calls, tool_results)
+            return EnvStep(observation=[{"role": "user", "content": GUESS_REMINDER}], state=state)
+        step = super().step(task, turn, assistant_text, tool_calls, tool_results, state)
+        step.reward, step.state = gained, state
+        return step
 
     def reward(self, task: dict[str, Any], final_turn: dict[str, Any]) -> float:
         solved = any(call["result"] == "correct" for call in final_turn["tool_calls"])

@@ -325,14 +325,24 @@ def generate_rollouts(
         for start in starts or []:
             context = prompt_token_ids(tokenizer, start["messages"], start["tools"], config.enable_thinking)
             rows.append({k: start[k] for k in ("rollout_id", "group_id", "task", "task_id", "task_payload")})
-            rows[-1]["context_token_ids"] = context
+            rows[-1].update(env_state="{}", context_token_ids=context)
             streams.append(context)
     else:
         assert history is not None, "turns after the first continue from the execute-tools history"
         full_streams = rollout_streams(history)
         last_rows = {}
         for row in history.select_columns(
-            ["rollout_id", "group_id", "task", "task_id", "task_payload", "turn", "stop_reason", "next_stop"]
+            [
+                "rollout_id",
+                "group_id",
+                "task",
+                "task_id",
+                "task_payload",
+                "turn",
+                "stop_reason",
+                "next_stop",
+                "next_env_state",
+            ]
         ):
             if row["turn"] == turn - 1 and row["stop_reason"] is None:
                 last_rows[row["rollout_id"]] = row
@@ -340,7 +350,9 @@ def generate_rollouts(
         for rollout_id in sorted(last_rows):
             row = last_rows[rollout_id]
             rows.append({k: row[k] for k in ("rollout_id", "group_id", "task", "task_id", "task_payload")})
-            rows[-1].update(context_token_ids=list(context), stop=tuple(row["next_stop"] or ()))
+            rows[-1].update(
+                env_state=row["next_env_state"], context_token_ids=list(context), stop=tuple(row["next_stop"] or ())
+            )
             streams.append(full_streams[rollout_id] + context)
 
     requests, positions = [], getattr(engine.model.config, "max_position_embeddings", None) or 10**9

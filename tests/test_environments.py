@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
@@ -12,20 +13,25 @@ from pipeline.episodes import rollout_metrics, rollout_starts, run_episodes
 from pipeline.models import eos_token_ids
 from schemas.config import RunConfig, TaskConfig
 from schemas.token_stream import prompt_token_ids
-from stages.assign_rewards import ENVIRONMENTS, CalculatorEnv, EnvStep, GuessNumberEnv, WeatherEnv
+from stages.assign_rewards import ENVIRONMENTS, CalculatorEnv, GuessNumberEnv, WeatherEnv
 from stages.execute_tools import TOOLS, ToolCall, run_tool_calls, tool_schema
 from stages.generate_rollouts import Engine
+
+
+def guess(number: int) -> dict:
+    return {"name": "guess", "arguments": {"number": number}}
 
 
 def test_guess_number_ends_at_the_correct_guess_and_pays_for_speed():
     env = GuessNumberEnv()
     task = {"question": "?", "secret": 37}
-    assert env.step(task, 0, "", [{"name": "guess"}], ["higher"]) == EnvStep(
-        observation=[{"role": "tool", "content": "higher"}]
-    )
-    assert env.step(task, 3, "", [{"name": "guess"}], ["correct"]).done
-    reminded = env.step(task, 4, "I give up.", [], [])
+    first = env.step(task, 0, "", [guess(20)], ["higher"], {})
+    assert first.observation == [{"role": "tool", "content": "higher"}] and not first.done
+    assert first.state == {"low": 21, "high": 100}
+    assert env.step(task, 3, "", [guess(37)], ["correct"], first.state).done
+    reminded = env.step(task, 4, "I give up.", [], [], first.state)
     assert not reminded.done and reminded.observation[0]["role"] == "user"
+    assert reminded.state == first.state and reminded.reward == 0.0
     solved_fast = {"turn": 0, "tool_calls": [{"result": "correct"}]}
     solved_slow = {"turn": 9, "tool_calls": [{"result": "correct"}]}
     assert env.reward(task, solved_fast) == 1.0 > env.reward(task, solved_slow) == pytest.approx(0.82)  # 1 - 9/50
@@ -34,6 +40,43 @@ def test_guess_number_ends_at_the_correct_guess_and_pays_for_speed():
     demo = env.demonstration(task)
     guesses = [m["tool_calls"][0]["function"]["arguments"]["number"] for m in demo if m["role"] == "assistant"]
     assert guesses[0] == 50 and guesses[-1] == 37 and len(guesses) <= 7
+
+
+def test_guess_number_pays_each_turn_the_information_it_gained():
+    """Hand-computed: reward = 0.5 * ln(interval before / interval after) / ln(100)."""
+    env, task, ln100 = GuessNumberEnv(), {"question": "?", "secret": 70}, math.log(100)
+    halved = env.step(task, 0, "", [guess(50)], ["higher"], {})  # [1, 100] -> [51, 100]
+    assert halved.state == {"low": 51, "high": 100}
+    assert halved.reward == pytest.approx(0.5 * math.log(2) / ln100)  # 0.0753
+    outside = env.step(task, 1, "", [guess(30)], ["higher"], halved.state)  # already known: nothing gained
+    assert outside.state == halved.state and outside.reward == 0.0
+    malformed = env.step(task, 2, "", [{"name": "", "arguments": {}}], ["Error: not valid JSON"], halved.state)
+    assert malformed.state == halved.state and malformed.reward == 0.0
+    narrowed = env.step(task, 3, "", [guess(90)], ["lower"], halved.state)  # [51, 100] -> [51, 89]
+    assert narrowed.reward == pytest.approx(0.5 * math.log(50 / 39) / ln100)  # 0.0270
+    solved = env.step(task, 4, "", [guess(70)], ["correct"], narrowed.state)  # [51, 89] -> [70, 70]
+    assert solved.done and solved.reward == pytest.approx(0.5 * math.log(39) / ln100)  # 0.3978
+    # potential-based: every solved episode gains 0.5 in all, whatever the path
+    assert halved.reward + outside.reward + narrowed.reward + solved.reward == pytest.approx(0.5)
+    assert env.step(task, 0, "", [guess(70)], ["correct"], {}).reward == pytest.approx(0.5)
+
+
+def test_the_environment_state_travels_with_the_rollout(tiny):
+    model, tokenizer = tiny
+    engine = Engine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model))
+    config = RunConfig(task={"name": "guess-number", "rollouts": 8, "group_size": 4, "max_turns": 5})
+    turns = run_episodes(engine, tokenizer, config)
+    rows = {(row["rollout_id"], row["turn"]): row for row in turns}
+    assert all(row["env_state"] == "{}" for (_, turn), row in rows.items() if turn == 0)
+    followed = 0
+    for (rollout_id, turn), row in rows.items():
+        state = json.loads(row["next_env_state"])
+        secret = json.loads(row["task_payload"])["secret"]
+        assert state["low"] <= secret <= state["high"]  # the interval always holds the number
+        if (rollout_id, turn + 1) in rows:
+            assert rows[rollout_id, turn + 1]["env_state"] == row["next_env_state"]
+            followed += 1
+    assert followed > 0
 
 
 def test_weather_needs_two_lookups_and_a_subtraction():
@@ -76,8 +119,8 @@ class ShapedCalculator(CalculatorEnv):
 
     name = "shaped-calculator"
 
-    def step(self, task, turn, assistant_text, tool_calls, tool_results):
-        step = super().step(task, turn, assistant_text, tool_calls, tool_results)
+    def step(self, task, turn, assistant_text, tool_calls, tool_results, state):
+        step = super().step(task, turn, assistant_text, tool_calls, tool_results, state)
         step.reward = 0.25 if tool_calls else 0.0
         step.stop = ["returned"]
         return step
@@ -86,7 +129,7 @@ class ShapedCalculator(CalculatorEnv):
 class BrokenEnv(CalculatorEnv):
     name = "broken"
 
-    def step(self, task, turn, assistant_text, tool_calls, tool_results):
+    def step(self, task, turn, assistant_text, tool_calls, tool_results, state):
         raise RuntimeError("environment bug")
 
 

@@ -19,6 +19,7 @@ from stages.ppo_update import (
     collate,
     forward_targets,
     kl_estimate,
+    micro_batches,
     policy_loss,
     ppo_update,
     rollout_sequences,
@@ -125,6 +126,57 @@ def test_stored_generation_logprobs_equal_the_training_forward_pass(tiny, rollou
     with torch.no_grad():
         logprobs, _, _ = forward_targets(model, batch, temperature=1.0, chunk_tokens=64)
     assert (logprobs - batch["generation_logprobs"]).abs().max().item() < 1e-4
+
+
+def test_packed_rows_give_the_padded_logprobs_within_a_token_budget(tiny, rollouts):
+    model, tokenizer = tiny
+    sequences = rollout_sequences(rollouts)
+    lengths = sorted(len(s.token_ids) for s in sequences)
+    budget = lengths[-1] + lengths[0]  # the longest rollout plus the shortest fit in one bin
+    bins = micro_batches(sequences, rollouts=3, max_tokens=budget)
+    assert sorted(id(s) for b in bins for s in b) == sorted(id(s) for s in sequences)  # each exactly once
+    assert all(sum(len(s.token_ids) for s in b) <= budget for b in bins) and len(bins) < len(sequences)
+    with torch.no_grad():
+        padded, padded_entropy, _ = forward_targets(
+            model, collate(sequences, tokenizer.pad_token_id, torch.device("cpu")), 1.0, 64
+        )
+        by_sequence = {}
+        for b in bins:
+            batch = collate(b, tokenizer.pad_token_id, torch.device("cpu"), packed=True)
+            assert batch["input_ids"].shape == (1, sum(len(s.token_ids) for s in b))  # one row, no padding
+            logprobs, entropy, _ = forward_targets(model, batch, 1.0, 64)
+            offset = 0
+            for seq in b:
+                n = len(seq.target_positions)
+                by_sequence[id(seq)] = (logprobs[offset : offset + n], entropy[offset : offset + n])
+                offset += n
+    packed = torch.cat([by_sequence[id(s)][0] for s in sequences])
+    packed_entropy = torch.cat([by_sequence[id(s)][1] for s in sequences])
+    assert torch.allclose(packed, padded, atol=1e-5) and torch.allclose(packed_entropy, padded_entropy, atol=1e-4)
+
+
+def test_packing_and_activation_checkpointing_do_not_change_the_update(tiny, rollouts):
+    model, tokenizer = tiny
+    base = PPOConfig(learning_rate=1e-4, minibatch_rollouts=4, micro_batch_rollouts=2, epochs=1)
+    variants = {
+        "padded": base,
+        "packed": base.model_copy(update={"max_tokens_per_micro_batch": 1024}),
+        "checkpointed": base.model_copy(update={"gradient_checkpointing": True}),
+    }
+    results = {}
+    for name, config in variants.items():
+        trained = copy.deepcopy(model)
+        metrics = ppo_update(
+            trained, rollouts, config=config, temperature=1.0, pad_token_id=tokenizer.pad_token_id, seed=0
+        )
+        results[name] = (metrics, torch.cat([p.detach().flatten() for p in trained.parameters()]))
+        assert not trained.is_gradient_checkpointing
+    for name in ("packed", "checkpointed"):
+        metrics, weights = results[name]
+        for ours, padded in zip(metrics, results["padded"][0]):
+            assert ours["loss"] == pytest.approx(padded["loss"], abs=1e-5)
+            assert ours["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-3)
+        assert (weights - results["padded"][1]).abs().max() < 1e-5
 
 
 def test_one_ppo_step_lowers_the_loss_and_raises_positive_advantage_logprobs(tiny, rollouts):

@@ -68,6 +68,7 @@ def _step_turn(
         "observation": "",
         "observation_token_ids": [],
         "next_stop": [],
+        "next_env_state": row["env_state"],
         "turn_reward": 0.0,
         "terminated": False,
         "truncated": False,
@@ -112,12 +113,14 @@ def _step_turn(
             row["content"],
             [{"name": c.name, "arguments": c.arguments} for c in calls],
             [r.content for r in results],
+            json.loads(row["env_state"]),
         )
+        next_env_state = row["env_state"] if step.state is None else json.dumps(step.state, sort_keys=True)
         observation = observation_token_ids(tokenizer, step.observation) if not step.done else []
     except Exception as exc:  # an environment bug fails this rollout, visibly, not the run
         failure = f"environment '{row['task']}' raised {exc.__class__.__name__}: {exc}"
         return {**out, "failed": True, "failure": failure[:1000], "stop_reason": "failed"}
-    out["turn_reward"] = float(step.reward)
+    out.update(turn_reward=float(step.reward), next_env_state=next_env_state)
     if step.done:
         return {**out, "terminated": True, "stop_reason": "done"}
     if row["turn"] + 1 >= task_config.max_turns:

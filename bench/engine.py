@@ -1,0 +1,306 @@
+"""Generation and PPO-update speed, in ONE run on the same model and prompts: the notebook
+pattern against mtrl's engine, a 50-turn episode turn by turn, a wide batch of rollouts, and
+the ppo-update stage at several B x S shapes.
+
+    python bench/engine.py --model tiny --device cpu --out bench/results/engine_cpu.json
+    python bench/engine.py --model qwen3-0.6b --device cuda --new-tokens 256 \\
+        --ppo-shapes 4x2048,1x8192 --out bench/results/engine_gpu.json   # random weights, no download
+
+Sections of the JSON:
+- generation: R rollouts x T turns x N new tokens (EOS disabled so every row makes N tokens),
+  a fixed observation after each turn. notebook = HF `generate` on the whole left-padded
+  history every turn (lockstep batch); engine = stages.generate_rollouts.Engine (KV cache kept
+  across turns, per-rollout seeded sampling). tokens/s of each and their ratio.
+- long_episode: one batch through the engine for --long-turns turns; seconds of every turn,
+  and the last turn's time over the first's (does a turn get slower as the context grows?).
+- wide: --wide-rollouts rollouts x one turn through the engine: tokens/s.
+- ppo_update: the real stage function (stages.ppo_update.ppo_update: old-logprob recompute,
+  then forward + backward + AdamW) on B rollouts of S tokens (one turn: a 64-token prompt, the
+  rest completion), padded or packed, with and without activation checkpointing. Each shape
+  runs in a fresh interpreter so its peak memory is its own: CUDA max allocated, or on CPU the
+  process's peak RSS. FLOPs = 8 x params x tokens (6 for the trained pass, 2 for the
+  recompute) + causal attention; MFU against --peak-tflops on CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import platform
+import resource
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+from schemas.config import PPOConfig
+from schemas.features import COMPUTE_ADVANTAGES, dataset_from_rows
+from stages.generate_rollouts import Engine, Request
+from stages.ppo_update import ppo_update
+
+
+def build_model(name: str, device: torch.device) -> torch.nn.Module:
+    if name == "tiny":
+        from pipeline.models import EMBEDDED_POLICY, load_model
+
+        return load_model(EMBEDDED_POLICY, "float32", device.type)
+    config = Qwen3Config(  # Qwen3-0.6B's shape; random weights cost the same per step
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------
+# Generation
+# ---------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def notebook_pattern(model, prompts, observation, turns, new_tokens, device) -> tuple[int, float]:
+    """Re-encode every rollout's whole history each turn with HF generate (left padding)."""
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    histories = [list(p) for p in prompts]
+    generated, started = 0, time.perf_counter()
+    for _ in range(turns):
+        width = max(len(h) for h in histories)
+        ids = torch.zeros((len(histories), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, h in enumerate(histories):
+            ids[i, width - len(h) :] = torch.tensor(h)
+            mask[i, width - len(h) :] = 1
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
+        for i, h in enumerate(histories):
+            h += out[i, width:].tolist() + observation
+        generated += len(histories) * new_tokens
+    synchronize(device)
+    return generated, time.perf_counter() - started
+
+
+def engine_turns(model, prompts, observation, turns, new_tokens, device) -> tuple[int, list[float]]:
+    """The same workload through the engine (each turn prefills only its new tokens).
+    Returns the tokens generated and the seconds of each turn."""
+    engine = Engine(model, pad_token_id=0, eos_token_ids=[])
+    streams = [list(p) for p in prompts]
+    generated, seconds = 0, []
+    for turn in range(turns):
+        started = time.perf_counter()
+        requests = [Request(i, s, seed=1000 * turn + i, max_new_tokens=new_tokens) for i, s in enumerate(streams)]
+        for i, completion in enumerate(engine.generate(requests, temperature=1.0)):
+            streams[i] = streams[i] + completion.token_ids + observation
+            generated += len(completion.token_ids)
+        synchronize(device)
+        seconds.append(time.perf_counter() - started)
+    return generated, seconds
+
+
+def random_tokens(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, vocab, (length,), generator=generator).tolist() for _ in range(count)]
+
+
+# ---------------------------------------------------------------------------------------
+# PPO update (each shape in its own process)
+# ---------------------------------------------------------------------------------------
+
+
+def synthetic_turns(batch: int, seq: int, vocab: int):
+    """B one-turn rollouts of S tokens: a 64-token prompt and S - 64 sampled tokens."""
+    prompt, completion = random_tokens(batch, 64, vocab, 1), random_tokens(batch, seq - 64, vocab, 2)
+    rows = []
+    for i in range(batch):
+        n = seq - 64
+        rows.append(
+            {
+                "rollout_id": i,
+                "group_id": i,
+                "turn": 0,
+                "failed": False,
+                "context_token_ids": prompt[i],
+                "completion_token_ids": completion[i],
+                "completion_logprobs": [-7.0] * n,
+                "observation_token_ids": [],
+                "advantages": [1.0 if i % 2 else -1.0] * n,
+                "returns": [0.0] * n,
+                "values": [],
+                "ref_logprobs": [],
+            }
+        )
+    return dataset_from_rows(rows, COMPUTE_ADVANTAGES)
+
+
+def ppo_measure(model_name: str, device_name: str, batch: int, seq: int, variant: str, peak_tflops: float) -> dict:
+    device = torch.device(device_name)
+    model = build_model(model_name, device)
+    if device.type == "cuda":  # train in bf16 weights with bf16 autocast, as the notes measured
+        torch.cuda.reset_peak_memory_stats()
+    turns = synthetic_turns(batch, seq, model.config.vocab_size)
+    config = PPOConfig(
+        learning_rate=1e-6,
+        minibatch_rollouts=batch,
+        micro_batch_rollouts=batch,
+        max_tokens_per_micro_batch=batch * seq if "packed" in variant else 0,
+        gradient_checkpointing="checkpointed" in variant,
+        logprob_chunk_tokens=4096,
+    )
+    times = []
+    for repeat in range(3):  # the first run warms up
+        synchronize(device)
+        started = time.perf_counter()
+        ppo_update(model, turns, config=config, temperature=1.0, pad_token_id=0, seed=repeat)
+        synchronize(device)
+        times.append(time.perf_counter() - started)
+    seconds = sum(times[1:]) / len(times[1:])
+    params = sum(p.numel() for p in model.parameters())
+    layers, width = model.config.num_hidden_layers, model.config.num_attention_heads * model.config.head_dim
+    tokens = batch * seq
+    # 2 (matmul) x 2 (QK^T and AV) x S^2/2 (causal) x width per layer per sequence = 2 S^2 width;
+    # x 4 for forward + backward (x3) + recompute forward (x1).
+    flops = 8 * params * tokens + 4 * 2 * layers * width * batch * seq * seq
+    result = {
+        "batch": batch,
+        "seq": seq,
+        "variant": variant,
+        "seconds_per_update": round(seconds, 4),
+        "tokens_per_second": round(tokens / seconds, 1),
+        "achieved_tflops": round(flops / seconds / 1e12, 4),
+    }
+    if device.type == "cuda":
+        result["mfu"] = round(flops / seconds / (peak_tflops * 1e12), 4)
+        result["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+    else:
+        result["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 3)
+    return result
+
+
+def ppo_in_fresh_process(args: argparse.Namespace, batch: int, seq: int, variant: str) -> dict:
+    """Run one shape in a new interpreter (results come back as JSON on stdout)."""
+    command = [sys.executable, __file__, "--model", args.model, "--device", args.device]
+    command += ["--peak-tflops", str(args.peak_tflops), "--ppo-one", f"{batch}x{seq}:{variant}"]
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["tiny", "qwen3-0.6b"], default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rollouts", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--observation-tokens", type=int, default=16)
+    parser.add_argument("--long-rollouts", type=int, default=8, help="rollouts of the 50-turn episode")
+    parser.add_argument("--long-turns", type=int, default=50)
+    parser.add_argument("--long-new-tokens", type=int, default=16)
+    parser.add_argument("--wide-rollouts", type=int, default=256)
+    parser.add_argument("--wide-new-tokens", type=int, default=32)
+    parser.add_argument("--ppo-shapes", default="4x512,1x2048", help="BxS list; the tiny model has 4096 positions")
+    parser.add_argument("--ppo-variants", default="padded,packed,padded+checkpointed")
+    parser.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 peak of the GPU")
+    parser.add_argument("--ppo-one", help=argparse.SUPPRESS)  # BxS:variant, in a fresh process
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if args.ppo_one:
+        shape, variant = args.ppo_one.split(":")
+        batch, seq = (int(x) for x in shape.split("x"))
+        print(json.dumps(ppo_measure(args.model, args.device, batch, seq, variant, args.peak_tflops)))
+        return
+    device = torch.device(args.device)
+    model = build_model(args.model, device)
+    vocab = model.config.vocab_size
+    prompts = random_tokens(args.rollouts, args.prompt_tokens, vocab, 0)
+    observation = random_tokens(1, args.observation_tokens, vocab, 3)[0]
+
+    work = (prompts, observation, args.turns, args.new_tokens, device)
+    notebook_tokens, notebook_seconds = notebook_pattern(model, *work)
+    engine_tokens, engine_seconds = engine_turns(model, *work)
+    notebook_rate, engine_rate = notebook_tokens / notebook_seconds, engine_tokens / sum(engine_seconds)
+
+    long_prompts = prompts[: args.long_rollouts]
+    _, turn_seconds = engine_turns(model, long_prompts, observation, args.long_turns, args.long_new_tokens, device)
+    wide_prompts = random_tokens(args.wide_rollouts, args.prompt_tokens, vocab, 4)
+    wide_tokens, wide_seconds = engine_turns(model, wide_prompts, observation, 1, args.wide_new_tokens, device)
+    del model
+
+    ppo = []
+    for shape in args.ppo_shapes.split(","):
+        batch, seq = (int(x) for x in shape.lower().split("x"))
+        for variant in args.ppo_variants.split(","):
+            ppo.append(ppo_in_fresh_process(args, batch, seq, variant))
+            print(json.dumps(ppo[-1]))
+
+    report = {
+        "benchmark": "engine",
+        "command": "python bench/engine.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "ppo_one")),
+        "generation": {
+            "rollouts": args.rollouts,
+            "turns": args.turns,
+            "new_tokens": args.new_tokens,
+            "prompt_tokens": args.prompt_tokens,
+            "notebook_tokens_per_second": round(notebook_rate, 1),
+            "engine_tokens_per_second": round(engine_rate, 1),
+            "ratio": round(engine_rate / notebook_rate, 2),
+        },
+        "long_episode": {
+            "rollouts": args.long_rollouts,
+            "turns": args.long_turns,
+            "new_tokens_per_turn": args.long_new_tokens,
+            "turn_seconds": [round(s, 4) for s in turn_seconds],
+            "last_over_first": round(turn_seconds[-1] / turn_seconds[0], 2),
+        },
+        "wide": {
+            "rollouts": args.wide_rollouts,
+            "new_tokens": args.wide_new_tokens,
+            "tokens_per_second": round(wide_tokens / wide_seconds[0], 1),
+        },
+        "ppo_update": ppo,
+        "machine": {
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+            "cpu_count": multiprocessing.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "platform": platform.platform(),
+        },
+        "versions": {n: metadata.version(n) for n in ("torch", "transformers")} | {"python": platform.python_version()},
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
