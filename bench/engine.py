@@ -16,9 +16,11 @@ Sections of the JSON:
 - wide: --wide-rollouts rollouts x one turn through the engine: tokens/s.
 - ppo_update: the real stage function (stages.ppo_update.ppo_update: old-logprob recompute,
   then forward + backward + AdamW) on B rollouts of S tokens (one turn: a 64-token prompt, the
-  rest completion), padded or packed, with and without activation checkpointing. Each shape
-  runs in a fresh interpreter so its peak memory is its own: CUDA max allocated, or on CPU the
-  process's peak RSS. FLOPs = 8 x params x tokens (6 for the trained pass, 2 for the
+  rest completion; "BxSr" spreads the lengths from S/8 to S), padded (one pass of B rows) or
+  packed (ppo.max_tokens_per_micro_batch = S: first-fit bins of at most S tokens, one pass
+  each), with and without activation checkpointing. Each shape runs in a fresh interpreter
+  so its peak memory is its own: CUDA max allocated, or on CPU the process's peak RSS (also
+  above the RSS after loading the model). FLOPs = 8 x params x tokens (6 for the trained pass, 2 for the
   recompute) + causal attention; MFU against --peak-tflops on CUDA only.
 """
 
@@ -132,12 +134,15 @@ def random_tokens(count: int, length: int, vocab: int, seed: int) -> list[list[i
 # ---------------------------------------------------------------------------------------
 
 
-def synthetic_turns(batch: int, seq: int, vocab: int):
-    """B one-turn rollouts of S tokens: a 64-token prompt and S - 64 sampled tokens."""
-    prompt, completion = random_tokens(batch, 64, vocab, 1), random_tokens(batch, seq - 64, vocab, 2)
+def synthetic_turns(batch: int, seq: int, vocab: int, ragged: bool):
+    """B one-turn rollouts: a 64-token prompt and sampled tokens, S tokens in all, or with
+    `ragged` lengths spread evenly from S/8 to S (what padding wastes and packing saves)."""
+    lengths = [seq - (seq - seq // 8) * i // max(batch - 1, 1) if ragged else seq for i in range(batch)]
+    prompt = random_tokens(batch, 64, vocab, 1)
+    completion = [random_tokens(1, n - 64, vocab, 2 + i)[0] for i, n in enumerate(lengths)]
     rows = []
     for i in range(batch):
-        n = seq - 64
+        n = lengths[i] - 64
         rows.append(
             {
                 "rollout_id": i,
@@ -157,17 +162,25 @@ def synthetic_turns(batch: int, seq: int, vocab: int):
     return dataset_from_rows(rows, COMPUTE_ADVANTAGES)
 
 
-def ppo_measure(model_name: str, device_name: str, batch: int, seq: int, variant: str, peak_tflops: float) -> dict:
+def current_rss_gb() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize() / 1e9
+
+
+def ppo_measure(model_name: str, device_name: str, shape: str, variant: str, peak_tflops: float) -> dict:
     device = torch.device(device_name)
     model = build_model(model_name, device)
-    if device.type == "cuda":  # train in bf16 weights with bf16 autocast, as the notes measured
+    batch, seq = (int(x) for x in shape.rstrip("r").split("x"))
+    turns = synthetic_turns(batch, seq, model.config.vocab_size, ragged=shape.endswith("r"))
+    if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    turns = synthetic_turns(batch, seq, model.config.vocab_size)
+    else:
+        rss_before = current_rss_gb()
     config = PPOConfig(
         learning_rate=1e-6,
         minibatch_rollouts=batch,
         micro_batch_rollouts=batch,
-        max_tokens_per_micro_batch=batch * seq if "packed" in variant else 0,
+        max_tokens_per_micro_batch=seq if "packed" in variant else 0,  # bins of the longest rollout's size
         gradient_checkpointing="checkpointed" in variant,
         logprob_chunk_tokens=4096,
     )
@@ -181,13 +194,14 @@ def ppo_measure(model_name: str, device_name: str, batch: int, seq: int, variant
     seconds = sum(times[1:]) / len(times[1:])
     params = sum(p.numel() for p in model.parameters())
     layers, width = model.config.num_hidden_layers, model.config.num_attention_heads * model.config.head_dim
-    tokens = batch * seq
+    lengths = [len(c) + len(p) for c, p in zip(turns["completion_token_ids"], turns["context_token_ids"])]
+    tokens = sum(lengths)
     # 2 (matmul) x 2 (QK^T and AV) x S^2/2 (causal) x width per layer per sequence = 2 S^2 width;
-    # x 4 for forward + backward (x3) + recompute forward (x1).
-    flops = 8 * params * tokens + 4 * 2 * layers * width * batch * seq * seq
+    # x 4 for forward + backward (x3) + recompute forward (x1). Useful FLOPs only (no padding).
+    flops = 8 * params * tokens + 4 * 2 * layers * width * sum(n * n for n in lengths)
     result = {
-        "batch": batch,
-        "seq": seq,
+        "shape": shape,
+        "tokens": tokens,
         "variant": variant,
         "seconds_per_update": round(seconds, 4),
         "tokens_per_second": round(tokens / seconds, 1),
@@ -197,14 +211,16 @@ def ppo_measure(model_name: str, device_name: str, batch: int, seq: int, variant
         result["mfu"] = round(flops / seconds / (peak_tflops * 1e12), 4)
         result["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
     else:
-        result["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 3)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: KiB
+        result["peak_rss_gb"] = round(peak, 3)
+        result["peak_rss_above_loaded_model_gb"] = round(peak - rss_before, 3)
     return result
 
 
-def ppo_in_fresh_process(args: argparse.Namespace, batch: int, seq: int, variant: str) -> dict:
+def ppo_in_fresh_process(args: argparse.Namespace, shape: str, variant: str) -> dict:
     """Run one shape in a new interpreter (results come back as JSON on stdout)."""
     command = [sys.executable, __file__, "--model", args.model, "--device", args.device]
-    command += ["--peak-tflops", str(args.peak_tflops), "--ppo-one", f"{batch}x{seq}:{variant}"]
+    command += ["--peak-tflops", str(args.peak_tflops), "--ppo-one", f"{shape}:{variant}"]
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -226,7 +242,11 @@ def main() -> None:
     parser.add_argument("--long-new-tokens", type=int, default=16)
     parser.add_argument("--wide-rollouts", type=int, default=256)
     parser.add_argument("--wide-new-tokens", type=int, default=32)
-    parser.add_argument("--ppo-shapes", default="4x512,1x2048", help="BxS list; the tiny model has 4096 positions")
+    parser.add_argument(
+        "--ppo-shapes",
+        default="4x512,1x2048,8x1024r",
+        help="BxS list, a trailing r for ragged lengths (S/8 to S); the tiny model has 4096 positions",
+    )
     parser.add_argument("--ppo-variants", default="padded,packed,padded+checkpointed")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 peak of the GPU")
     parser.add_argument("--ppo-one", help=argparse.SUPPRESS)  # BxS:variant, in a fresh process
@@ -234,8 +254,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.ppo_one:
         shape, variant = args.ppo_one.split(":")
-        batch, seq = (int(x) for x in shape.split("x"))
-        print(json.dumps(ppo_measure(args.model, args.device, batch, seq, variant, args.peak_tflops)))
+        print(json.dumps(ppo_measure(args.model, args.device, shape, variant, args.peak_tflops)))
         return
     device = torch.device(args.device)
     model = build_model(args.model, device)
@@ -255,10 +274,9 @@ def main() -> None:
     del model
 
     ppo = []
-    for shape in args.ppo_shapes.split(","):
-        batch, seq = (int(x) for x in shape.lower().split("x"))
+    for shape in args.ppo_shapes.lower().split(","):
         for variant in args.ppo_variants.split(","):
-            ppo.append(ppo_in_fresh_process(args, batch, seq, variant))
+            ppo.append(ppo_in_fresh_process(args, shape, variant))
             print(json.dumps(ppo[-1]))
 
     report = {
