@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
+from pipeline.memory import current_rss_bytes
 from schemas.config import PPOConfig
 from schemas.features import COMPUTE_ADVANTAGES, dataset_from_rows
 from stages.generate_rollouts import Engine, Request
@@ -162,11 +163,6 @@ def synthetic_turns(batch: int, seq: int, vocab: int, ragged: bool):
     return dataset_from_rows(rows, COMPUTE_ADVANTAGES)
 
 
-def current_rss_gb() -> float:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * resource.getpagesize() / 1e9
-
-
 def ppo_measure(model_name: str, device_name: str, shape: str, variant: str, peak_tflops: float) -> dict:
     device = torch.device(device_name)
     model = build_model(model_name, device)
@@ -175,7 +171,7 @@ def ppo_measure(model_name: str, device_name: str, shape: str, variant: str, pea
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     else:
-        rss_before = current_rss_gb()
+        rss_before = current_rss_bytes() / 1e9
     config = PPOConfig(
         learning_rate=1e-6,
         minibatch_rollouts=batch,

@@ -187,7 +187,7 @@ def command_eval(args: argparse.Namespace) -> None:
     """Roll out a policy on fixed evaluation tasks (nothing is stored) and print its metrics."""
     config = build_config(args)
     validate_choices(config)
-    from pipeline.episodes import rollout_metrics, run_episodes
+    from pipeline.episodes import rollout_metrics, run_episodes, task_turn_limits
     from pipeline.models import eos_token_ids, load_model, load_tokenizer, resolve_model_dir
     from stages.generate_rollouts import Engine
 
@@ -201,7 +201,7 @@ def command_eval(args: argparse.Namespace) -> None:
     engine = Engine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model))
     # evaluation tasks come from their own seed, never the training iterations'
     turns = run_episodes(engine, tokenizer, config, iteration=EVAL_ITERATION)
-    print(json.dumps({"policy": str(model_dir), **rollout_metrics(turns)}, indent=2))
+    print(json.dumps({"policy": str(model_dir), **rollout_metrics(turns, task_turn_limits(config))}, indent=2))
 
 
 EVAL_ITERATION = 10**6

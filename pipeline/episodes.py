@@ -43,6 +43,17 @@ def environment_code(config: RunConfig) -> dict[str, str]:
     return versions
 
 
+def task_turn_limits(config: RunConfig) -> dict[str, int]:
+    """Each task's turn limit: task.max_turns, or its environment's own."""
+    return {name: config.task.max_turns or assign_rewards.ENVIRONMENTS[name].max_turns for name, _ in config.task.mix()}
+
+
+def turn_limit(config: RunConfig) -> int:
+    """Rounds of an iteration at most: the longest turn limit of the mix (each rollout is
+    still cut at its own task's limit)."""
+    return max(task_turn_limits(config).values())
+
+
 def check_environments(config: RunConfig) -> None:
     """Every task of the mix is registered, has tools, and its tools are registered."""
     for name, _ in config.task.mix():
@@ -131,7 +142,7 @@ def run_episodes(
 ) -> datasets.Dataset:
     """All turns of one iteration's rollouts, scored: the assign-rewards dataset, in memory."""
     rounds: list[datasets.Dataset] = []
-    for turn in range(config.task.max_turns):
+    for turn in range(turn_limit(config)):
         history = datasets.concatenate_datasets(rounds) if rounds else None
         generated = generate_turn(
             engine, tokenizer, config, iteration=iteration, turn=turn, policy_version="in-memory", history=history
@@ -144,8 +155,13 @@ def run_episodes(
     )
 
 
-def rollout_metrics(turns: datasets.Dataset) -> dict[str, Any]:
-    """Per-iteration rollout metrics (NeMo-RL's names where they exist), overall and per task."""
+def rollout_metrics(turns: datasets.Dataset, turn_limits: dict[str, int]) -> dict[str, Any]:
+    """Per-iteration rollout metrics (NeMo-RL's names where they exist), overall and per task.
+
+    Turns to solve, two ways: `mean_turns_to_solve` averages the solved rollouts only (it can
+    rise while a policy gets better, by solving harder cases too); `mean_turns_to_solve_or_limit`
+    counts an unsolved rollout as its task's turn limit (`turn_limits`), a censored mean that
+    falls only if rollouts solve more often or sooner. Failed rollouts count in neither."""
     columns = turns.select_columns(["rollout_id", "task", "turn", "stop_reason", "failed", "reward"]).to_dict()
     completion = [len(t) for t in turns["completion_token_ids"]]
     observation = [len(t) for t in turns["observation_token_ids"]]
@@ -166,6 +182,11 @@ def rollout_metrics(turns: datasets.Dataset) -> dict[str, Any]:
         n = max(1, len(group))
         scored = [r["reward"] for r in group if not r["failed"]]
         solved = [r["turn"] + 1 for r in group if r["stop"] == "done" and not r["failed"] and r["reward"] > 0]
+        censored = [
+            r["turn"] + 1 if r["stop"] == "done" and r["reward"] > 0 else turn_limits[r["task"]]
+            for r in group
+            if not r["failed"]
+        ]
         return {
             "rollouts": len(group),
             "reward_mean": float(np.mean(scored)) if scored else None,
@@ -177,6 +198,7 @@ def rollout_metrics(turns: datasets.Dataset) -> dict[str, Any]:
             "mean_turns": float(np.mean([r["turn"] + 1 for r in group])) if group else 0.0,
             "max_turns": max((r["turn"] + 1 for r in group), default=0),
             "mean_turns_to_solve": float(np.mean(solved)) if solved else None,
+            "mean_turns_to_solve_or_limit": float(np.mean(censored)) if censored else None,
             "mean_gen_tokens_per_rollout": sum(r["gen"] for r in group) / n,
             "mean_env_tokens_per_rollout": sum(r["env"] for r in group) / n,
         }

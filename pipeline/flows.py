@@ -14,7 +14,6 @@ its config section and its inputs' versions; the store on disk is the truth:
 
 import functools
 import os
-import resource
 import socket
 import time
 from collections.abc import Callable
@@ -28,7 +27,16 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from pipeline.audit import AuditError, audit
-from pipeline.episodes import environment_code, execute_turn, generate_turn, load_plugins, rollout_metrics
+from pipeline.episodes import (
+    environment_code,
+    execute_turn,
+    generate_turn,
+    load_plugins,
+    rollout_metrics,
+    task_turn_limits,
+    turn_limit,
+)
+from pipeline.memory import peak_memory
 from pipeline.models import eos_token_ids, load_model, load_tokenizer, pick_device, resolve_model_dir
 from pipeline.report import write_report
 from pipeline.runners import DISTRIBUTED_STAGES, map_row_shards, stage_runner
@@ -279,7 +287,8 @@ def assign_rewards_task(config: RunConfig, version: str, parents: dict[str, str]
     def compute() -> tuple[datasets.Dataset, dict[str, Any]]:
         turns = load_rounds(store, parents["execute-tools"])
         dataset = assign_rewards.assign_rewards(turns, assign_rewards.ENVIRONMENTS, config.reward)
-        return dataset, {"metrics": rollout_metrics(dataset), "environment_code": environment_code(config)}
+        metrics = rollout_metrics(dataset, task_turn_limits(config))
+        return dataset, {"metrics": metrics, "environment_code": environment_code(config)}
 
     return write_stage(config, "assign-rewards", version, parents, compute)
 
@@ -376,20 +385,26 @@ def ppo_update_task(config: RunConfig, version: str, parents: dict[str, str], it
         if config.advantage.estimator in compute_advantages.NEEDS_VALUES:
             value_head = ppo_update.ValueHead.load(store.policy_dir(policy_version), model.config.hidden_size)
             value_head.to(model.device)
-        if config.ppo.lora_rank > 0:
+        optimizer, restored = None, 0
+        if config.ppo.lora_rank > 0:  # fresh adapters, merged after the update: no optimiser to continue
             from peft import LoraConfig, get_peft_model
 
             lora = LoraConfig(r=config.ppo.lora_rank, lora_alpha=config.ppo.lora_alpha, target_modules="all-linear")
             model = get_peft_model(model, lora)
-        metrics = ppo_update.ppo_update(
-            model,
-            turns,
-            config=config.ppo,
-            temperature=config.generation.temperature,
-            pad_token_id=tokenizer.pad_token_id,
-            seed=config.seed + iteration,
-            value_head=value_head,
-        )
+        else:  # continue the AdamW of the previous iteration (its state is saved beside its policy)
+            optimizer = ppo_update.build_optimizer(model, config.ppo, value_head)
+            restored = ppo_update.load_optimizer_state(optimizer, model, value_head, store.policy_dir(policy_version))
+        with peak_memory() as memory:  # this stage's own peak (resident set; CUDA allocator)
+            metrics = ppo_update.ppo_update(
+                model,
+                turns,
+                config=config.ppo,
+                temperature=config.generation.temperature,
+                pad_token_id=tokenizer.pad_token_id,
+                seed=config.seed + iteration,
+                value_head=value_head,
+                optimizer=optimizer,
+            )
         if config.ppo.lora_rank > 0:
             model = model.merge_and_unload()  # the next policy is a plain checkpoint
 
@@ -398,6 +413,8 @@ def ppo_update_task(config: RunConfig, version: str, parents: dict[str, str], it
             tokenizer.save_pretrained(tmp)
             if value_head is not None:
                 value_head.save(tmp)
+            if optimizer is not None:
+                ppo_update.save_optimizer_state(optimizer, model, value_head, tmp)
             return {}
 
         store.write(
@@ -412,13 +429,11 @@ def ppo_update_task(config: RunConfig, version: str, parents: dict[str, str], it
             },
         )
         dataset = dataset_from_rows(metrics, PPO_UPDATE)
-        peak = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # process high-water mark
-        if torch.cuda.is_available():
-            peak["cuda_peak_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
         return dataset, {
             "metrics": ppo_update.metrics_summary(metrics),
             "audit": report.as_dict(),
-            "memory": peak,
+            "memory": memory,
+            "optimizer_state_restored": restored,  # parameters whose AdamW state continued (0: fresh)
             "policy": next_policy,
             "iteration": iteration,
         }
@@ -446,7 +461,7 @@ def rl_iteration(config: RunConfig, iteration: int | None = None, policy_version
             iteration = store.manifest(POLICY, policy_version).get("iteration", -1) + 1
 
         previous: str | None = None  # the execute-tools version of the last turn
-        for turn in range(config.task.max_turns):
+        for turn in range(turn_limit(config)):
             generated = run_stage(
                 generate_rollouts_task,
                 config,

@@ -19,6 +19,7 @@ COLUMNS = (  # (key, header, width, decimals)
     ("reward_mean", "reward", 7, 3),
     ("mean_turns", "turns", 6, 2),
     ("mean_turns_to_solve", "solve t", 7, 2),  # mean turns of the solved rollouts
+    ("mean_turns_to_solve_or_limit", "solve|lim", 9, 2),  # unsolved rollouts counted at the turn limit
     ("mean_gen_tokens_per_rollout", "gen tok", 7, 1),
     ("policy_loss", "pg loss", 8, 4),
     ("kl", "kl", 7, 4),
@@ -86,6 +87,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     left.legend()
     right.plot(x, [row.get("mean_turns") for row in rows], marker="o", label="mean turns")
     right.plot(x, [row.get("mean_turns_to_solve") for row in rows], marker=".", label="mean turns when solved")
+    right.plot(
+        x,
+        [row.get("mean_turns_to_solve_or_limit") for row in rows],
+        marker="x",
+        label="turns to solve (unsolved = limit)",
+    )
     right.set(xlabel="iteration", title="episode length")
     right.legend()
     figure.tight_layout()

@@ -38,7 +38,13 @@ class TaskConfig(Section):
     group_size: int = Field(
         8, ge=1, le=1024, description="Samples of the same task; group-relative baselines use them."
     )
-    max_turns: int = Field(4, ge=1, le=1000, description="Assistant turns before a rollout is cut (max-turns).")
+    max_turns: int | None = Field(
+        None,
+        ge=1,
+        le=1000,
+        description="Assistant turns before a rollout is cut (max-turns); null = each environment's own limit "
+        "(calculator and weather 4, guess-number 50).",
+    )
     plugins: list[str] = Field(
         default_factory=list, description="Python modules imported first; they register tools and environments."
     )
@@ -94,7 +100,14 @@ class ToolsConfig(Section):
 
 class RewardConfig(Section):
     truncated_reward: float = Field(
-        0.0, ge=-1e6, le=1e6, description="Final reward of a rollout cut by max turns, context overflow or length."
+        0.0, ge=-1e6, le=1e6, description="Final reward of a rollout cut by its turn limit or the context budget."
+    )
+    overlong_reward: float = Field(
+        -0.5,
+        ge=-1e6,
+        le=1e6,
+        description="Final reward of a rollout whose turn ran past max_new_tokens without ending (as DAPO's "
+        "overlong penalty): below a natural end, so rambling never beats answering.",
     )
 
 
@@ -108,7 +121,12 @@ class AdvantageConfig(Section):
 
 
 class PPOConfig(Section):
-    learning_rate: float = Field(2e-4, gt=0.0, le=1.0, description="AdamW learning rate.")
+    learning_rate: float = Field(
+        1e-4,
+        gt=0.0,
+        le=1.0,
+        description="AdamW learning rate (one AdamW continues across iterations: its state is saved with each policy).",
+    )
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     epochs: int = Field(1, ge=1, le=100, description="Passes over the iteration's rollouts.")
     minibatch_rollouts: int = Field(16, ge=1, description="Rollouts per optimiser step.")
@@ -130,7 +148,12 @@ class PPOConfig(Section):
     )
     loss_norm_tokens: int = Field(256, ge=1, description="seq-mean-token-sum-norm: the constant token normaliser.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient.")
-    kl_coef: float = Field(0.0, ge=0.0, description="KL to the reference (iteration-0) policy; 0 = off.")
+    kl_coef: float = Field(
+        0.05,
+        ge=0.0,
+        description="KL to the reference (iteration-0) policy; 0 = off. It keeps the tool-call format that "
+        "long rollouts otherwise erode.",
+    )
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator.")
     kl_in: Literal["loss", "reward"] = Field("loss", description="Put the KL penalty in the loss or the reward.")
     value_coef: float = Field(0.5, ge=0.0, description="Value-loss coefficient (critic estimators such as gae).")

@@ -91,6 +91,7 @@ PPO_UPDATE = Features(  # one row per optimiser step; null where a term is off
         "clip_fraction": Value("float32"),
         "approx_kl": Value("float32"),
         "grad_norm": Value("float32"),
+        "value_grad_norm": Value("float32"),
         "ratio_mean": Value("float32"),
         "ratio_max": Value("float32"),
         "is_weight_mean": Value("float32"),

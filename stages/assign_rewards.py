@@ -44,6 +44,7 @@ class Environment:
 
     name: ClassVar[str]
     tools: ClassVar[tuple[str, ...]] = ()
+    max_turns: ClassVar[int] = 4  # assistant turns before a rollout is cut, unless task.max_turns says otherwise
 
     def sample_task(self, rng: random.Random) -> dict[str, Any]:
         raise NotImplementedError
@@ -143,26 +144,34 @@ class CalculatorEnv(Environment):
 
 GUESS_RANGE = (1, 100)
 GUESS_MAX_TURNS = 50
-GUESS_REMINDER = "Use the guess tool to guess the number."
 
 
 class GuessNumberEnv(Environment):
     """Find a hidden number with the guess tool (answers: higher, lower, correct). Long
     horizon: the episode ends at the correct guess or at max turns (up to 50); a turn without
-    a guess gets a reminder instead of ending the game; fewer turns, more reward.
+    a tool call gives up (the game ends unsolved, as any tool-less turn is a final answer);
+    fewer turns, more reward.
+
+    Each answer also states the interval that can still hold the number and its middle
+    ("higher: between 51 and 100, middle 75"; the interval is the environment's state), so
+    the observation is Markov and bisecting is a copy, not arithmetic (a 1M-parameter model
+    cannot compute midpoints; it copies well). What is left to learn is the *choice*:
+    guessing the middle solves in at most 7 turns; guessing freely takes longer, and long
+    games are where a small model breaks down. The starting policy makes each choice half of
+    the time; RL has to find out that the middle pays.
 
     Per-turn reward: the information a turn's guesses gained, `information_reward` x the
-    fraction of log(range size) by which they shrank the interval that can still hold the
-    number (the interval is the environment's state). It is potential-based shaping (Ng et
-    al., 1999; potential = -information_reward x log(interval size) / log(range size)): it
-    sums to information_reward for every solved game whatever the path, so among solved games
-    the shortest still earns the most, but each turn is credited when it happens instead of
-    only at the end of a long episode. A bisecting guess gains the most; a guess outside the
-    interval or a malformed call gains nothing.
+    fraction of log(range size) by which they shrank the interval. It is potential-based
+    shaping (Ng et al., 1999; potential = -information_reward x log(interval size) /
+    log(range size)): it sums to information_reward for every solved game whatever the path,
+    so among solved games the shortest still earns the most, but each turn is credited when
+    it happens instead of only at the end of a long episode. A bisecting guess gains the
+    most; a guess outside the interval or a malformed call gains nothing.
     """
 
     name = "guess-number"
     tools = ("guess",)
+    max_turns = GUESS_MAX_TURNS
     information_reward = 0.5
 
     def sample_task(self, rng: random.Random) -> dict[str, Any]:
@@ -176,46 +185,58 @@ class GuessNumberEnv(Environment):
     def step(self, task, turn, assistant_text, tool_calls, tool_results, state) -> EnvStep:
         low, high = state.get("low", GUESS_RANGE[0]), state.get("high", GUESS_RANGE[1])
         before = high - low + 1
+        observation = []
         for call, result in zip(tool_calls, tool_results):
             if result == "correct":
                 low = high = task["secret"]
-            elif result == "higher":  # the tool accepted the call: its number is an integer
-                low = max(low, call["arguments"]["number"] + 1)
-            elif result == "lower":
-                high = min(high, call["arguments"]["number"] - 1)
+            elif result in ("higher", "lower"):  # the tool accepted the call: its number is an integer
+                if result == "higher":
+                    low = max(low, call["arguments"]["number"] + 1)
+                else:
+                    high = min(high, call["arguments"]["number"] - 1)
+                result = f"{result}: between {low} and {high}, middle {(low + high) // 2}"
+            observation.append({"role": "tool", "content": result})
         full_range = GUESS_RANGE[1] - GUESS_RANGE[0] + 1
         gained = self.information_reward * math.log(before / (high - low + 1)) / math.log(full_range)
         state = {"low": low, "high": high}
-        if "correct" in tool_results:
+        if "correct" in tool_results or not tool_calls:  # found it, or gave up
             return EnvStep(done=True, reward=gained, state=state)
-        if not tool_calls:
-            return EnvStep(observation=[{"role": "user", "content": GUESS_REMINDER}], state=state)
-        step = super().step(task, turn, assistant_text, tool_calls, tool_results, state)
-        step.reward, step.state = gained, state
-        return step
+        return EnvStep(observation=observation, reward=gained, state=state)
 
     def reward(self, task: dict[str, Any], final_turn: dict[str, Any]) -> float:
         solved = any(call["result"] == "correct" for call in final_turn["tool_calls"])
         return 1.0 - final_turn["turn"] / GUESS_MAX_TURNS if solved else 0.0
 
     def demonstration(self, task: dict[str, Any], rng: random.Random | None = None) -> list[dict[str, Any]]:
-        """Binary search; with an rng, half of the guesses are random inside the bounds."""
-        (low, high), messages = GUESS_RANGE, self.reset(task)
-        while True:
-            number = (low + high) // 2 if rng is None or rng.random() < 0.5 else rng.randint(low, high)
+        """Binary search; with an rng, half of the guesses are random inside the interval
+        (the imperfect searcher RL should sharpen). The reasoning copies the interval (and the
+        middle) from the last answer and says which of the two it does; answers come from
+        self.step."""
+        messages, state = self.reset(task), {}
+        for turn in range(self.max_turns):
+            low, high = state.get("low", GUESS_RANGE[0]), state.get("high", GUESS_RANGE[1])
+            if rng is None or rng.random() < 0.5:
+                number = (low + high) // 2
+                reasoning = f"Between {low} and {high}, I will guess the middle, {number}."
+            else:
+                number = rng.randint(low, high)
+                reasoning = f"Between {low} and {high}, I will guess {number}."
             messages.append(
                 {
                     "role": "assistant",
                     "content": "",
-                    "reasoning_content": f"The number is between {low} and {high}. I will guess {number}.",
+                    "reasoning_content": reasoning,
                     "tool_calls": [tool_call("guess", number=number)],
                 }
             )
-            if number == task["secret"]:
+            result = "correct" if number == task["secret"] else "higher" if number < task["secret"] else "lower"
+            call = {"name": "guess", "arguments": {"number": number}}
+            step = self.step(task, turn, "", [call], [result], state)
+            if step.done:
                 return messages
-            answer = "higher" if number < task["secret"] else "lower"
-            messages.append({"role": "tool", "content": answer})
-            low, high = (number + 1, high) if answer == "higher" else (low, number - 1)
+            messages.extend(step.observation)
+            state = step.state
+        return messages
 
 
 WEATHER_CITIES = ("Paris", "London", "Berlin", "Madrid", "Rome", "Tokyo", "Sydney", "Oslo", "Cairo", "Lima")
@@ -284,9 +305,10 @@ def assign_rewards(
 ) -> datasets.Dataset:
     """Score every finished rollout and put its final reward on each of its rows.
 
-    Natural end: the environment's outcome reward of the final answer. Cut by max turns,
-    context overflow or length: `config.truncated_reward`. Failed (infrastructure): NaN,
-    and the rollout stays flagged, so it is never mistaken for a scored 0.
+    Natural end: the environment's outcome reward of the final answer. Cut by the turn limit
+    or the context budget: `config.truncated_reward`. A turn that never ended (length):
+    `config.overlong_reward`. Failed (infrastructure): NaN, and the rollout stays flagged, so
+    it is never mistaken for a scored 0.
     """
     turns = sort_turns(turns)
     columns = turns.select_columns(
@@ -299,6 +321,8 @@ def assign_rewards(
         elif row["stop_reason"] == "done":
             task = json.loads(row["task_payload"])
             final_reward[row["rollout_id"]] = float(environments[row["task"]].reward(task, row))
+        elif row["stop_reason"] == "length":
+            final_reward[row["rollout_id"]] = config.overlong_reward
         elif row["stop_reason"] is not None:
             final_reward[row["rollout_id"]] = config.truncated_reward
         else:

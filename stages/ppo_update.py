@@ -111,6 +111,42 @@ def value_loss(
     return 0.5 * loss
 
 
+def truncated_is_weight(old_logprobs: torch.Tensor, generation_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling weight min(pi_old / pi_generation, cap) per token: the
+    sampler's logprobs differ from the trainer's once weights or kernels differ."""
+    return torch.exp(old_logprobs - generation_logprobs).clamp(max=cap)
+
+
+def token_loss(
+    batch: dict[str, torch.Tensor],
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    values: torch.Tensor | None,
+    config: PPOConfig,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Per-token total loss and its terms, before aggregation:
+
+        total = w * clipped_surrogate - entropy_coef * H (+ kl_coef * KL) (+ value_coef * value loss)
+
+    with w the truncated IS weight. KL enters when config.kl_in == "loss" and kl_coef > 0;
+    the value loss when `values` (the critic's) are given.
+    Returns (total, {term name: per-token value}, whether the ratio clip was active, w)."""
+    surrogate, was_clipped = policy_loss(
+        logprobs, batch["old_logprobs"], batch["advantages"], config.clip_low, config.clip_high, config.clip_ratio_c
+    )
+    is_weight = truncated_is_weight(batch["old_logprobs"], batch["generation_logprobs"], config.tis_cap)
+    weighted = surrogate * is_weight
+    total = weighted - config.entropy_coef * entropy
+    terms = {"policy_loss": weighted, "entropy": entropy}
+    if config.kl_coef > 0 and config.kl_in == "loss":
+        terms["kl"] = kl_estimate(logprobs, batch["ref_logprobs"], config.kl_estimator)
+        total = total + config.kl_coef * terms["kl"]
+    if values is not None:
+        terms["value_loss"] = value_loss(values, batch["old_values"], batch["returns"], config.value_clip)
+        total = total + config.value_coef * terms["value_loss"]
+    return total, terms, was_clipped, is_weight
+
+
 def aggregate(
     per_token: torch.Tensor,
     sequence_index: torch.Tensor,
@@ -255,7 +291,13 @@ def collate(
 
 
 class ValueHead(torch.nn.Module):
-    """V(s_t) from the policy's last hidden state: one linear layer on the shared backbone."""
+    """V(s_t) from the policy's last hidden state: one linear layer on the policy's features.
+
+    The features are detached (see forward_targets): the value loss trains the head only,
+    never the policy. With the gradient shared, the critic's early, large value loss
+    (V = 0 against returns near 1) outweighed the policy gradient in the backbone and the
+    policy collapsed within five iterations on guess-number; TRL, verl and OpenRLHF keep
+    critic gradients out of the policy too (with a separate critic model)."""
 
     FILE = "value_head.safetensors"
 
@@ -300,7 +342,7 @@ def forward_targets(
     logprobs, entropy = token_logprobs(
         predicting, model.get_output_embeddings(), batch["targets"], temperature, chunk_tokens
     )
-    values = value_head(predicting) if value_head is not None else None
+    values = value_head(predicting.detach()) if value_head is not None else None  # the critic never moves the policy
     return logprobs, entropy, values
 
 
@@ -345,6 +387,64 @@ def score_rollouts(
 # ---------------------------------------------------------------------------------------
 
 
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+def build_optimizer(
+    model: torch.nn.Module, config: PPOConfig, value_head: ValueHead | None = None
+) -> torch.optim.AdamW:
+    """AdamW over the policy's trainable parameters (group 0) and the critic's (group 1)."""
+    groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    if value_head is not None:
+        groups.append({"params": list(value_head.parameters())})
+    return torch.optim.AdamW(groups, lr=config.learning_rate, weight_decay=config.weight_decay)
+
+
+def _named_trainable(model: torch.nn.Module, value_head: ValueHead | None) -> dict[str, torch.nn.Parameter]:
+    named = {f"policy.{n}": p for n, p in model.named_parameters() if p.requires_grad}
+    if value_head is not None:
+        named |= {f"critic.{n}": p for n, p in value_head.named_parameters()}
+    return named
+
+
+def save_optimizer_state(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module, value_head: ValueHead | None, directory: str | Path
+) -> None:
+    """Adam's moments and step count per named parameter, as safetensors beside the policy
+    (never pickle), so the next iteration's update continues the same optimiser."""
+    tensors = {}
+    for name, param in _named_trainable(model, value_head).items():
+        for key, value in optimizer.state.get(param, {}).items():  # step, exp_avg, exp_avg_sq
+            tensors[f"{name}/{key}"] = value.detach().cpu().contiguous()
+    save_file(tensors, Path(directory) / OPTIMIZER_FILE)
+
+
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module, value_head: ValueHead | None, directory: str | Path
+) -> int:
+    """Restore what save_optimizer_state wrote beside a policy; returns how many parameters
+    got their state back (0 without a file: a fresh optimiser). A parameter without saved
+    state (a critic added later) starts fresh; a shape that does not match is an error."""
+    path = Path(directory) / OPTIMIZER_FILE
+    if not path.is_file():
+        return 0
+    saved = load_file(path)
+    restored = 0
+    for name, param in _named_trainable(model, value_head).items():
+        state = {key.rsplit("/", 1)[1]: value for key, value in saved.items() if key.rsplit("/", 1)[0] == name}
+        if not state:
+            continue
+        for key, value in state.items():
+            if key != "step" and value.shape != param.shape:
+                raise ValueError(
+                    f"{path}: state '{name}/{key}' has shape {tuple(value.shape)}, not {tuple(param.shape)}"
+                )
+        # Adam keeps `step` on the CPU (non-capturable); the moments live with the parameter.
+        optimizer.state[param] = {k: v if k == "step" else v.to(param.device, param.dtype) for k, v in state.items()}
+        restored += 1
+    return restored
+
+
 def _autocast(device: torch.device, mode: str):
     use_bf16 = mode == "bf16" or (mode == "auto" and device.type == "cuda")
     return torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
@@ -359,9 +459,13 @@ def ppo_update(
     pad_token_id: int,
     seed: int,
     value_head: ValueHead | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> list[dict[str, float]]:
     """Optimise `model` (and `value_head`, when given) in place on one iteration's rollouts.
-    Returns one metrics dict per optimiser step."""
+    `optimizer` (from build_optimizer, with the previous iteration's state loaded) continues
+    one AdamW across iterations, as TRL and verl do; without it a fresh one is built, whose
+    first steps move every parameter by about the learning rate (Adam's bias correction), noise
+    included. Returns one metrics dict per optimiser step."""
     torch.manual_seed(seed)
     device = next(model.parameters()).device
     sequences = [s for s in rollout_sequences(turns) if s.target_positions]
@@ -387,10 +491,9 @@ def ppo_update(
             for seq in chunk:
                 seq.old_logprobs = list(seq.generation_logprobs)
 
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    if train_value:
-        parameters += list(value_head.parameters())
-    optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=config.weight_decay)
+    optimizer = optimizer or build_optimizer(model, config, value_head)
+    parameters = optimizer.param_groups[0]["params"]
+    critic_parameters = optimizer.param_groups[1]["params"] if train_value else []
     shuffle = random.Random(seed)
     n_steps = config.epochs * -(-len(sequences) // config.minibatch_rollouts)
     metrics: list[dict[str, float]] = []
@@ -414,28 +517,8 @@ def ppo_update(
                     logprobs, entropy, values = forward_targets(
                         model, batch, temperature, config.logprob_chunk_tokens, value_head if train_value else None
                     )
-                per_token, was_clipped = policy_loss(
-                    logprobs,
-                    batch["old_logprobs"],
-                    batch["advantages"],
-                    config.clip_low,
-                    config.clip_high,
-                    config.clip_ratio_c,
-                )
-                # Truncated importance sampling: generation and training logprobs can differ.
-                is_weight = torch.exp(batch["old_logprobs"] - batch["generation_logprobs"]).clamp(max=config.tis_cap)
-                per_token = per_token * is_weight
-                loss_terms = {"policy_loss": per_token, "entropy": entropy}
-                total = per_token - config.entropy_coef * entropy
-                if use_kl_loss:
-                    kl = kl_estimate(logprobs, batch["ref_logprobs"], config.kl_estimator)
-                    total = total + config.kl_coef * kl
-                    loss_terms["kl"] = kl
-                if train_value:
-                    v_loss = value_loss(values, batch["old_values"], batch["returns"], config.value_clip)
-                    total = total + config.value_coef * v_loss
-                    loss_terms["value_loss"] = v_loss
-                shares = {"loss": total, **loss_terms}
+                total, terms, was_clipped, is_weight = token_loss(batch, logprobs, entropy, values, config)
+                shares = {"loss": total, **terms}
                 args = (
                     batch["sequence_index"],
                     config.loss_aggregation,
@@ -460,7 +543,10 @@ def ppo_update(
                     sums[name] = sums.get(name, 0.0) + float(value)
                 sums["ratio_max"] = max(sums.get("ratio_max", 0.0), float(torch.exp(log_ratio).max()))
                 sums["is_weight_max"] = max(sums.get("is_weight_max", 0.0), float(is_weight.max()))
+            # Clipped apart: the critic's gradient must not shrink the policy's step.
             grad_norm = torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm)
+            if critic_parameters:
+                sums["value_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(critic_parameters, config.max_grad_norm))
             optimizer.step()
             metrics.append(
                 {

@@ -9,11 +9,12 @@ import re
 
 import pytest
 
-from pipeline.episodes import rollout_metrics, rollout_starts, run_episodes
+from pipeline.episodes import rollout_metrics, rollout_starts, run_episodes, task_turn_limits
 from pipeline.models import eos_token_ids
-from schemas.config import RunConfig, TaskConfig
+from schemas.config import RewardConfig, RunConfig, TaskConfig
+from schemas.features import ASSIGN_REWARDS, EXECUTE_TOOLS, dataset_from_rows
 from schemas.token_stream import prompt_token_ids
-from stages.assign_rewards import ENVIRONMENTS, CalculatorEnv, GuessNumberEnv, WeatherEnv
+from stages.assign_rewards import ENVIRONMENTS, CalculatorEnv, GuessNumberEnv, WeatherEnv, assign_rewards
 from stages.execute_tools import TOOLS, ToolCall, run_tool_calls, tool_schema
 from stages.generate_rollouts import Engine
 
@@ -26,12 +27,14 @@ def test_guess_number_ends_at_the_correct_guess_and_pays_for_speed():
     env = GuessNumberEnv()
     task = {"question": "?", "secret": 37}
     first = env.step(task, 0, "", [guess(20)], ["higher"], {})
-    assert first.observation == [{"role": "tool", "content": "higher"}] and not first.done
+    # the answer states the interval that can still hold the number: the observation is Markov
+    assert first.observation == [{"role": "tool", "content": "higher: between 21 and 100, middle 60"}]
+    assert not first.done
     assert first.state == {"low": 21, "high": 100}
     assert env.step(task, 3, "", [guess(37)], ["correct"], first.state).done
-    reminded = env.step(task, 4, "I give up.", [], [], first.state)
-    assert not reminded.done and reminded.observation[0]["role"] == "user"
-    assert reminded.state == first.state and reminded.reward == 0.0
+    gave_up = env.step(task, 4, "I give up.", [], [], first.state)  # a turn without a guess ends the game
+    assert gave_up.done and gave_up.observation == [] and gave_up.state == first.state and gave_up.reward == 0.0
+    assert env.reward(task, {"turn": 4, "tool_calls": []}) == 0.0  # unsolved
     solved_fast = {"turn": 0, "tool_calls": [{"result": "correct"}]}
     solved_slow = {"turn": 9, "tool_calls": [{"result": "correct"}]}
     assert env.reward(task, solved_fast) == 1.0 > env.reward(task, solved_slow) == pytest.approx(0.82)  # 1 - 9/50
@@ -40,6 +43,8 @@ def test_guess_number_ends_at_the_correct_guess_and_pays_for_speed():
     demo = env.demonstration(task)
     guesses = [m["tool_calls"][0]["function"]["arguments"]["number"] for m in demo if m["role"] == "assistant"]
     assert guesses[0] == 50 and guesses[-1] == 37 and len(guesses) <= 7
+    answers = [m["content"] for m in demo if m["role"] == "tool"]
+    assert answers[:2] == ["lower: between 1 and 49, middle 25", "higher: between 26 and 49, middle 37"]  # 50, 25
 
 
 def test_guess_number_pays_each_turn_the_information_it_gained():
@@ -157,7 +162,7 @@ def test_per_turn_rewards_stop_strings_and_a_raising_environment(tiny):
     broken = [row for row in turns if row["task"] == "broken" and row["finish_reason"] == "stop"]
     assert broken and all(row["failed"] and "environment bug" in row["failure"] for row in broken)
     assert all(math.isnan(row["reward"]) for row in broken)
-    metrics = rollout_metrics(turns)
+    metrics = rollout_metrics(turns, task_turn_limits(config))
     assert metrics["per_task"]["broken"]["failed_rate"] == len(broken) / 4
     assert metrics["per_task"]["shaped-calculator"]["failed_rate"] == 0.0
 
@@ -217,3 +222,71 @@ def test_a_broken_environment_is_a_clear_error_before_any_rollout(monkeypatch, e
     monkeypatch.setitem(ENVIRONMENTS, env.name, env)
     with pytest.raises(ValueError, match=re.escape(message)):
         rollout_starts(RunConfig(task={"name": env.name, "rollouts": 2, "group_size": 2}), iteration=0)
+
+
+def test_turns_to_solve_averages_solved_rollouts_and_censors_unsolved_ones_at_the_limit():
+    # Four guess-number rollouts (limit 50): solved after 3 turns, solved after 7, gave up at
+    # turn 2 (unsolved), and failed (infrastructure: counted in neither mean).
+    #   mean_turns_to_solve = (3 + 7) / 2 = 5;  or_limit = (3 + 7 + 50) / 3 = 20
+    def rows(rollout_id, turns, stop, reward, failed=False):
+        return [
+            {
+                "rollout_id": rollout_id,
+                "task": "guess-number",
+                "turn": turn,
+                "stop_reason": stop if turn == turns - 1 else None,
+                "reward": reward,
+                "failed": failed,
+                "completion_token_ids": [1, 2],
+                "observation_token_ids": [3],
+            }
+            for turn in range(turns)
+        ]
+
+    data = dataset_from_rows(
+        rows(0, 3, "done", 0.94)
+        + rows(1, 7, "done", 0.86)
+        + rows(2, 2, "done", 0.0)
+        + rows(3, 4, None, math.nan, True),
+        ASSIGN_REWARDS,
+    )
+    metrics = rollout_metrics(data, {"guess-number": 50})
+    assert metrics["mean_turns_to_solve"] == 5.0
+    assert metrics["mean_turns_to_solve_or_limit"] == 20.0
+    assert metrics["success_rate"] == pytest.approx(2 / 3) and metrics["failed_rate"] == 0.25
+
+
+def test_each_way_a_rollout_ends_gets_its_final_reward_on_every_row():
+    # calculator (answer 5): a right answer, a wrong one, the turn limit, a turn that never
+    # ended (length: the overlong reward), and a tool worker crash (failed: NaN, never 0).
+    def rows(rollout_id, stops, content="", failed=False):
+        return [
+            {
+                "rollout_id": rollout_id,
+                "task": "calculator",
+                "task_payload": json.dumps({"answer": 5}),
+                "turn": turn,
+                "content": content,
+                "tool_calls": [],
+                "stop_reason": stop,
+                "failed": failed and stop is not None,
+            }
+            for turn, stop in enumerate(stops)
+        ]
+
+    data = dataset_from_rows(
+        rows(0, [None, "done"], "The result is 5.")
+        + rows(1, ["done"], "The result is 6.")
+        + rows(2, [None, None, "max_turns"])
+        + rows(3, [None, "length"])
+        + rows(4, ["failed"], failed=True),
+        EXECUTE_TOOLS,
+    )
+    scored = assign_rewards(data, ENVIRONMENTS, RewardConfig(truncated_reward=-0.25, overlong_reward=-0.75))
+    expected = {0: 1.0, 1: 0.0, 2: -0.25, 3: -0.75}
+    for rollout_id, reward in zip(scored["rollout_id"], scored["reward"]):
+        if rollout_id == 4:
+            assert math.isnan(reward)
+        else:
+            assert reward == expected[rollout_id]
+    assert len(scored) == 9

@@ -32,7 +32,7 @@ def test_mtrl_stage_ab_tests_two_estimators_on_identical_rollouts(tmp_path, caps
     rloo_version = capsys.readouterr().out.split()[0].split("/")[1]
     rloo = store.manifest("compute-advantages", rloo_version)
     assert rloo_version != grpo["version"] and rloo["config"]["advantage"]["estimator"] == "rloo"
-    assert rloo["parents"] == grpo["parents"] == {"assign-rewards": rewards["version"]}
+    assert rloo["parents"] == grpo["parents"] and grpo["parents"]["assign-rewards"] == rewards["version"]
     # the recorded config of the lineage is reused: asking for grpo again is the stored version
     assert main(["stage", "compute-advantages", "--from", source, "--runs-dir", runs]) == 0
     assert capsys.readouterr().out.split()[0] == f"compute-advantages/{grpo['version']}"

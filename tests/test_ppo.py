@@ -16,15 +16,19 @@ from stages.generate_rollouts import Engine
 from stages.ppo_update import (
     ValueHead,
     aggregate,
+    build_optimizer,
     collate,
     forward_targets,
     kl_estimate,
+    load_optimizer_state,
     micro_batches,
     policy_loss,
     ppo_update,
     rollout_sequences,
+    save_optimizer_state,
     score_rollouts,
     token_logprobs,
+    token_loss,
     value_loss,
 )
 
@@ -74,6 +78,48 @@ def test_value_loss_clipped_by_hand():
     values, old, returns = torch.tensor([1.5]), torch.tensor([1.0]), torch.tensor([2.0])
     assert value_loss(values, old, returns, clip=0.2).item() == pytest.approx(0.32)
     assert value_loss(values, old, returns, clip=None).item() == pytest.approx(0.125)
+
+
+def test_tis_entropy_kl_and_value_terms_of_the_token_loss_by_hand():
+    # Two tokens, ratio pi/pi_old = 1, so the surrogate is -A: [-1, 2] for A = [1, -2].
+    #   TIS: pi_old/pi_gen = 3 -> capped at 2; 0.5 -> 0.5         weighted surrogate [-2, 1]
+    #   entropy bonus 0.1 * H, H = [0.5, 1.5]                       [-0.05, -0.15]
+    #   KL k3 in the loss, 0.2 * k3: log(pi/pi_ref) = [1, 0]        [0.2/e, 0]
+    #   value loss 0.5 * 0.32 (V 1.5, V_old 1, R 2, clip 0.2)       [0.16, 0]
+    #   total = [-2 - 0.05 + 0.2/e + 0.16, 1 - 0.15] = [-1.89 + 0.2/e, 0.85]
+    # d total / d logprob = -A * ratio * w + 0.2 * (1 - e^-(log r)) = [-2 + 0.2(1 - 1/e), 1]:
+    # the IS weight is a constant (old and generation logprobs), never differentiated.
+    generation = torch.tensor([-1.0, -2.0])
+    old = generation + torch.log(torch.tensor([3.0, 0.5]))
+    logprobs = old.clone().requires_grad_()
+    batch = {
+        "old_logprobs": old,
+        "generation_logprobs": generation,
+        "advantages": torch.tensor([1.0, -2.0]),
+        "ref_logprobs": old - torch.tensor([1.0, 0.0]),
+        "old_values": torch.tensor([1.0, 0.0]),
+        "returns": torch.tensor([2.0, 0.0]),
+    }
+    config = PPOConfig(
+        tis_cap=2.0, entropy_coef=0.1, kl_coef=0.2, kl_estimator="k3", kl_in="loss", value_coef=0.5, value_clip=0.2
+    )
+    values = torch.tensor([1.5, 0.0])
+    total, terms, clipped, is_weight = token_loss(batch, logprobs, torch.tensor([0.5, 1.5]), values, config)
+    total.sum().backward()
+    e = math.e
+    assert is_weight.tolist() == pytest.approx([2.0, 0.5])
+    assert terms["policy_loss"].tolist() == pytest.approx([-2.0, 1.0])
+    assert terms["kl"].tolist() == pytest.approx([1 / e, 0.0], abs=1e-6)
+    assert terms["value_loss"].tolist() == pytest.approx([0.32, 0.0])
+    assert total.tolist() == pytest.approx([-1.89 + 0.2 / e, 0.85], abs=1e-6)
+    assert logprobs.grad.tolist() == pytest.approx([-2.0 + 0.2 * (1 - 1 / e), 1.0], abs=1e-6)
+    assert clipped.tolist() == [False, False]
+    # KL in the reward (or kl_coef 0) leaves the loss; no critic values, no value loss.
+    total, terms, _, _ = token_loss(
+        batch, old, torch.tensor([0.5, 1.5]), None, config.model_copy(update={"kl_in": "reward"})
+    )
+    assert set(terms) == {"policy_loss", "entropy"}
+    assert total.tolist() == pytest.approx([-2.05, 0.85])
 
 
 def test_loss_aggregation_modes_by_hand_and_across_micro_batches():
@@ -157,7 +203,7 @@ def test_packed_rows_give_the_padded_logprobs_within_a_token_budget(tiny, rollou
 
 def test_packing_and_activation_checkpointing_do_not_change_the_update(tiny, rollouts):
     model, tokenizer = tiny
-    base = PPOConfig(learning_rate=1e-4, minibatch_rollouts=4, micro_batch_rollouts=2, epochs=1)
+    base = PPOConfig(learning_rate=1e-4, minibatch_rollouts=4, micro_batch_rollouts=2, epochs=1, kl_coef=0.0)
     variants = {
         "padded": base,
         "packed": base.model_copy(update={"max_tokens_per_micro_batch": 1024}),
@@ -187,7 +233,9 @@ def test_one_ppo_step_lowers_the_loss_and_raises_positive_advantage_logprobs(tin
         seq.old_logprobs = seq.generation_logprobs
     batch = collate(sequences, tokenizer.pad_token_id, torch.device("cpu"))
     # A small step, so that the first-order picture holds: Adam's first step is along -sign(grad).
-    config = PPOConfig(learning_rate=1e-4, minibatch_rollouts=len(sequences), micro_batch_rollouts=3, epochs=1)
+    config = PPOConfig(
+        learning_rate=1e-4, minibatch_rollouts=len(sequences), micro_batch_rollouts=3, epochs=1, kl_coef=0.0
+    )
 
     def evaluate(m):
         with torch.no_grad():
@@ -226,3 +274,62 @@ def test_value_head_learns_the_returns_and_kl_in_the_loss_runs(tiny, rollouts):
     )
     assert metrics[-1]["value_loss"] < metrics[0]["value_loss"]
     assert metrics[0]["kl"] == pytest.approx(0.0, abs=1e-4) and metrics[-1]["kl"] > 0
+
+
+def test_the_value_loss_trains_the_head_and_never_the_policy(tiny, rollouts):
+    # Zero advantages and no entropy or KL term: the only loss is the critic's. The policy's
+    # weights must come out bit-identical (the head reads detached features) while the head
+    # moves toward the returns.
+    model, tokenizer = tiny
+    trained, head = copy.deepcopy(model), ValueHead(model.config.hidden_size)
+    zeros = [[0.0] * len(c) for c in rollouts["completion_token_ids"]]
+    data = rollouts.remove_columns(["advantages", "values"])
+    data = data.add_column("advantages", zeros, feature=COMPUTE_ADVANTAGES["advantages"])
+    data = data.add_column("values", zeros, feature=COMPUTE_ADVANTAGES["values"])
+    config = PPOConfig(learning_rate=1e-2, minibatch_rollouts=4, epochs=2, value_clip=None, kl_coef=0.0)
+    metrics = ppo_update(
+        trained, data, config=config, temperature=1.0, pad_token_id=tokenizer.pad_token_id, seed=0, value_head=head
+    )
+    assert all(m["value_grad_norm"] > 0 for m in metrics) and all(m["grad_norm"] == 0 for m in metrics)
+    for (name, before), after in zip(model.state_dict().items(), trained.state_dict().values()):
+        assert torch.equal(before, after), name
+    assert head.linear.bias.item() > 0  # returns are 1 or 0, V started at 0
+
+
+def test_saved_optimizer_state_continues_adam_exactly_across_iterations(tiny, rollouts, tmp_path):
+    # Two updates with one AdamW kept in memory == two updates with its state saved after the
+    # first and loaded into a new optimiser (what two iterations of the flow do); a fresh
+    # optimiser for the second update gives different weights (so the state matters).
+    model, tokenizer = tiny
+    config = PPOConfig(learning_rate=1e-3, minibatch_rollouts=8, micro_batch_rollouts=8, kl_coef=0.0)
+
+    def update(policy, optimizer, seed):
+        ppo_update(
+            policy,
+            rollouts,
+            config=config,
+            temperature=1.0,
+            pad_token_id=tokenizer.pad_token_id,
+            seed=seed,
+            optimizer=optimizer,
+        )
+
+    kept = copy.deepcopy(model)
+    optimizer = build_optimizer(kept, config)
+    update(kept, optimizer, 0)
+    update(kept, optimizer, 1)
+
+    resumed = copy.deepcopy(model)
+    first = build_optimizer(resumed, config)
+    update(resumed, first, 0)
+    save_optimizer_state(first, resumed, None, tmp_path)
+    fresh = copy.deepcopy(resumed)
+    second = build_optimizer(resumed, config)
+    assert load_optimizer_state(second, resumed, None, tmp_path) == len(list(resumed.parameters()))
+    update(resumed, second, 1)
+    update(fresh, build_optimizer(fresh, config), 1)
+
+    for (name, a), b in zip(kept.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert any(not torch.equal(a, c) for a, c in zip(kept.state_dict().values(), fresh.state_dict().values()))
+    assert load_optimizer_state(build_optimizer(model, config), model, None, tmp_path / "none") == 0

@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import platform
 import random
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -180,7 +182,7 @@ def evaluate(
             generation={"temperature": temperature},
         )
         turns = run_episodes(engine, tokenizer, config)
-        metrics = rollout_metrics(turns)
+        metrics = rollout_metrics(turns, {task: max_turns})
         prefix = "" if task == "calculator" else f"{task}/"
         results[f"{prefix}success_rate"] = metrics["success_rate"]
         if task == "calculator":
@@ -192,6 +194,7 @@ def evaluate(
             )
         if task == "guess-number":
             results["guess-number/mean_turns_to_solve"] = metrics["mean_turns_to_solve"]
+            results["guess-number/mean_turns_to_solve_or_limit"] = metrics["mean_turns_to_solve_or_limit"]
             results["guess-number/mean_turns"] = metrics["mean_turns"]
     return results
 
@@ -249,6 +252,9 @@ def save(model, tokenizer, out_dir: Path, info: dict[str, Any]) -> None:
     )
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    # A rebuild is bit-identical only on the same software stack: record it.
+    software = {name: metadata.version(name) for name in ("torch", "transformers", "tokenizers")}
+    info = {**info, "software": {**software, "python": platform.python_version()}}
     (out_dir / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
