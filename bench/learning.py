@@ -29,7 +29,17 @@ from pathlib import Path
 
 MTRL = [sys.executable, "-m", "pipeline.cli"]
 EVAL_GAMES = ["--task", "guess-number", "--rollouts", "128", "--group-size", "1", "--seed", "0"]
-EVAL_KEYS = ("success_rate", "mean_turns_to_solve", "mean_turns_to_solve_or_limit", "mean_turns", "truncation_rate")
+# Why a game ends: solved or given up (natural_termination), cut at max_new_tokens (truncation),
+# or the 50-turn limit (max_turns_reached).
+EVAL_KEYS = (
+    "success_rate",
+    "mean_turns_to_solve",
+    "mean_turns_to_solve_or_limit",
+    "mean_turns",
+    "natural_termination_rate",
+    "truncation_rate",
+    "max_turns_reached_rate",
+)
 
 
 def machine() -> dict:
@@ -67,6 +77,7 @@ def training_run(runs_dir: Path, *flags: str) -> dict:
         "first": success[0],
         "last_two_mean": round((success[-2] + success[-1]) / 2, 4),
         "mean_turns_to_solve": [row.get("mean_turns_to_solve") for row in rows],
+        "mean_turns_to_solve_or_limit": [row.get("mean_turns_to_solve_or_limit") for row in rows],
         "ppo_update_peak_rss_mb": max(m["memory"]["peak_rss_mb"] for m in updates),
         "ppo_update_rss_before_mb": max(m["memory"]["rss_before_mb"] for m in updates),
         "ppo_update_wall_s": round(sum(m["wall_s"] for m in updates), 1),

@@ -72,7 +72,7 @@ def build_config(args: argparse.Namespace, base: RunConfig | None = None) -> Run
         for assignment in args.set or []:
             key, sep, value = assignment.partition("=")
             if not sep:
-                raise UsageError(f"--set {assignment}: expected KEY=VALUE, e.g. ppo.learning_rate=1e-4")
+                raise UsageError(f"--set {assignment}: expected KEY=VALUE, e.g. ppo.learning_rate=5e-5")
             overrides[key] = _parse_value(value)
         config = config.with_overrides(overrides)
     except ValidationError as exc:
