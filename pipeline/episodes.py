@@ -45,7 +45,7 @@ def environment_code(config: RunConfig) -> dict[str, str]:
 
 def task_turn_limits(config: RunConfig) -> dict[str, int]:
     """Each task's turn limit: task.max_turns, or its environment's own."""
-    return {name: config.task.max_turns or assign_rewards.ENVIRONMENTS[name].max_turns for name, _ in config.task.mix()}
+    return {name: assign_rewards.ENVIRONMENTS[name].turn_limit(config.task.max_turns) for name, _ in config.task.mix()}
 
 
 def turn_limit(config: RunConfig) -> int:

@@ -46,6 +46,10 @@ class Environment:
     tools: ClassVar[tuple[str, ...]] = ()
     max_turns: ClassVar[int] = 4  # assistant turns before a rollout is cut, unless task.max_turns says otherwise
 
+    def turn_limit(self, configured: int | None) -> int:
+        """Assistant turns before a rollout is cut: task.max_turns when set, else this environment's own."""
+        return configured or self.max_turns
+
     def sample_task(self, rng: random.Random) -> dict[str, Any]:
         raise NotImplementedError
 

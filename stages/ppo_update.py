@@ -428,10 +428,13 @@ def load_optimizer_state(
     path = Path(directory) / OPTIMIZER_FILE
     if not path.is_file():
         return 0
-    saved = load_file(path)
+    saved: dict[str, dict[str, torch.Tensor]] = {}  # parameter name -> {step, exp_avg, exp_avg_sq}
+    for key, value in load_file(path).items():
+        name, _, field = key.rpartition("/")
+        saved.setdefault(name, {})[field] = value
     restored = 0
     for name, param in _named_trainable(model, value_head).items():
-        state = {key.rsplit("/", 1)[1]: value for key, value in saved.items() if key.rsplit("/", 1)[0] == name}
+        state = saved.get(name)
         if not state:
             continue
         for key, value in state.items():

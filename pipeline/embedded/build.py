@@ -167,7 +167,7 @@ def evaluate(
     """Run each task's episodes on n fixed tasks with the real rollout code. calculator:
     well-formed first call, first call computing the answer, correct final answer;
     guess-number: solved within 50 turns, mean turns to solve; weather: correct answer."""
-    from pipeline.episodes import rollout_metrics, run_episodes
+    from pipeline.episodes import rollout_metrics, run_episodes, task_turn_limits
     from pipeline.models import eos_token_ids
     from schemas.config import RunConfig
     from stages.generate_rollouts import Engine
@@ -182,7 +182,7 @@ def evaluate(
             generation={"temperature": temperature},
         )
         turns = run_episodes(engine, tokenizer, config)
-        metrics = rollout_metrics(turns, {task: max_turns})
+        metrics = rollout_metrics(turns, task_turn_limits(config))
         prefix = "" if task == "calculator" else f"{task}/"
         results[f"{prefix}success_rate"] = metrics["success_rate"]
         if task == "calculator":

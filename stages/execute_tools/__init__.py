@@ -123,7 +123,7 @@ def _step_turn(
     out.update(turn_reward=float(step.reward), next_env_state=next_env_state)
     if step.done:
         return {**out, "terminated": True, "stop_reason": "done"}
-    if row["turn"] + 1 >= (task_config.max_turns or environment.max_turns):
+    if row["turn"] + 1 >= environment.turn_limit(task_config.max_turns):
         return {**out, "truncated": True, "stop_reason": "max_turns"}
     if row["finish_reason"] == "stop_string":  # the turn was cut at a stop string: close it
         observation = [tokenizer.eos_token_id, *observation]
