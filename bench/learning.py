@@ -78,10 +78,10 @@ def training_run(runs_dir: Path, *flags: str) -> dict:
         "last_two_mean": round((success[-2] + success[-1]) / 2, 4),
         "mean_turns_to_solve": [row.get("mean_turns_to_solve") for row in rows],
         "mean_turns_to_solve_or_limit": [row.get("mean_turns_to_solve_or_limit") for row in rows],
-        "ppo_update_peak_rss_mb": max(m["memory"]["peak_rss_mb"] for m in updates),
-        "ppo_update_rss_before_mb": max(m["memory"]["rss_before_mb"] for m in updates),
-        "ppo_update_wall_s": round(sum(m["wall_s"] for m in updates), 1),
-        "final_policy": max(store.versions("policy"), key=lambda m: m.get("iteration", -1))["version"],
+        "ppo_update_peak_rss_mb": max(m.extra("memory")["peak_rss_mb"] for m in updates),
+        "ppo_update_rss_before_mb": max(m.extra("memory")["rss_before_mb"] for m in updates),
+        "ppo_update_wall_s": round(sum(m.wall_s for m in updates), 1),
+        "final_policy": store.latest_policy(),
     }
 
 

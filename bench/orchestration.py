@@ -84,9 +84,9 @@ def run(runner: str, args: argparse.Namespace, workdir: Path) -> dict:
             policy = result["next_policy"]
             versions = [("execute-tools", v) for v in result["versions"]["execute-tools"]]
             versions += [(s, result["versions"][s]) for s in ("assign-rewards", "compute-advantages", "ppo-update")]
-            generated = [store.manifest("execute-tools", v)["parents"]["generate-rollouts"] for _, v in versions[:-3]]
+            generated = [store.manifest("execute-tools", v).parents["generate-rollouts"] for _, v in versions[:-3]]
             versions += [("generate-rollouts", v) for v in generated]
-            compute = sum(store.manifest(stage, version)["wall_s"] for stage, version in versions)
+            compute = sum(store.manifest(stage, version).wall_s for stage, version in versions)
             iterations.append(
                 {
                     "iteration_s": round(wall, 2),

@@ -27,7 +27,8 @@ from typing import Any
 import datasets
 import numpy as np
 
-from pipeline.store import POLICY, Store
+from pipeline.stage_table import POLICY
+from pipeline.store import Store
 from schemas.token_stream import generation_prompt_ids, prompt_token_ids
 from stages import assign_rewards, execute_tools, ppo_update
 

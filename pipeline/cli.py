@@ -20,8 +20,9 @@ from pydantic import ValidationError
 
 from pipeline.models import ModelError
 from pipeline.report import write_report
+from pipeline.stage_table import STAGES
 from pipeline.store import Store, StoreError
-from schemas.config import RunConfig
+from schemas.config import RunConfig, deep_merge
 
 RUN_FLAGS = {  # flag -> (config field, type, help)
     "--iterations": ("iterations", int, "RL iterations"),
@@ -48,22 +49,13 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in top.items():
-        merged[key] = (
-            _deep_merge(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
-        )
-    return merged
-
-
 def build_config(args: argparse.Namespace, base: RunConfig | None = None) -> RunConfig:
     """Defaults (or `base`) < --config FILE < named flags < --set key=value; validated before any work."""
     try:
         config = base or RunConfig()
         if args.config:
             from_file = RunConfig.from_yaml(args.config).model_dump(mode="json", exclude_unset=True)
-            config = RunConfig.model_validate(_deep_merge(config.model_dump(mode="json"), from_file))
+            config = RunConfig.model_validate(deep_merge(config.model_dump(mode="json"), from_file))
         overrides: dict[str, Any] = {}
         for flag, (field, _, _) in RUN_FLAGS.items():
             value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
@@ -137,10 +129,11 @@ def command_run(args: argparse.Namespace) -> None:
     print(f"\n{curve}\n\nlearning curve: {png}")
     last = results[-1]
     print(f"\n{len(results)} iteration(s) in {wall:.1f} s. Datasets of the last iteration:")
-    for stage in ("assign-rewards", "compute-advantages", "ppo-update"):
-        print(f"  {stage:<19} {store.path(stage, last['versions'][stage])}")
-    turns = last["versions"]["execute-tools"]
-    print(f"  {'execute-tools':<19} {len(turns)} turn(s), last: {store.path('execute-tools', turns[-1])}")
+    for stage, versions in last["versions"].items():
+        if isinstance(versions, list):  # one version per turn
+            print(f"  {stage:<19} {len(versions)} turn(s), last: {store.path(stage, versions[-1])}")
+        else:
+            print(f"  {stage:<19} {store.path(stage, versions)}")
     print(f"  {'policy':<19} {store.policy_dir(last['next_policy'])}")
     print("Load any of them with:  import datasets; datasets.load_from_disk('<path above>')")
 
@@ -149,10 +142,8 @@ def command_stage(args: argparse.Namespace) -> None:
     """Re-run one stage: the config recorded in the input's lineage, then --config, flags, --set."""
     store = Store(args.runs_dir)
     source_stage, source_version = store.resolve(args.source)
-    from pipeline.flows import lineage_config
-
     recorded = RunConfig.model_validate(
-        {**lineage_config(store, source_stage, source_version), "store": {"runs_dir": str(args.runs_dir)}}
+        {**store.lineage_config(source_stage, source_version), "store": {"runs_dir": str(args.runs_dir)}}
     )
     config = build_config(args, base=recorded)
     validate_choices(config)
@@ -220,21 +211,18 @@ def command_ls(args: argparse.Namespace) -> None:
         return
     print(f"{'stage':<19} {'version':<17} {'iter':>4} {'turn':>4} {'rows':>6}  created")
     for m in manifests:
-        turn = m.get("turn")
-        print(
-            f"{m['stage']:<19} {m['version']:<17} {m.get('iteration', ''):>4} "
-            f"{'' if turn is None else turn:>4} {m.get('rows', ''):>6}  {m['created_at'][:19]}"
-        )
+        iteration, turn, rows = ("" if value is None else value for value in (m.iteration, m.turn, m.rows))
+        print(f"{m.stage:<19} {m.version:<17} {iteration:>4} {turn:>4} {rows:>6}  {m.created_at[:19]}")
 
 
 def command_show(args: argparse.Namespace) -> None:
     store = Store(args.runs_dir)
     stage, version = store.resolve(args.reference)
     manifest = store.manifest(stage, version)
-    shown = {k: v for k, v in manifest.items() if k not in ("files", "source_files")}
+    shown = manifest.model_dump(mode="json", exclude={"files", "source_files"}, exclude_none=True)
     print(json.dumps(shown, indent=2, sort_keys=True))
     problems = store.verify(stage, version)
-    print(f"\nfiles: {len(manifest.get('files', {}))}, " + ("verified" if not problems else "; ".join(problems)))
+    print(f"\nfiles: {len(manifest.files)}, " + ("verified" if not problems else "; ".join(problems)))
     print(f"path: {store.path(stage, version)}")
     if stage != "policy":
         print(f"load: datasets.load_from_disk('{store.path(stage, version)}')")
@@ -246,25 +234,23 @@ def command_audit(args: argparse.Namespace) -> None:
 
     store = Store(args.runs_dir)
     stage, version = store.resolve(args.reference)
-    if stage in ("policy", "ppo-update"):
-        raise UsageError(
-            "audit checks a dataset of turns: generate-rollouts, execute-tools, assign-rewards or compute-advantages"
-        )
+    turn_stages = [name for name, table in STAGES.items() if "completion_token_ids" in table.features]
+    if stage not in turn_stages:
+        raise UsageError(f"audit checks a dataset of turns: {', '.join(turn_stages)}")
     problems = store.verify(stage, version)
     if problems:
         raise UsageError(f"{stage}/{version} files do not match the manifest: {'; '.join(problems)}")
     turns = store.load(stage, version)
-    generation = store.lineage(stage, version)
-    config = next(m["config"] for m in generation if m["stage"] == "generate-rollouts")
+    generation = RunConfig.model_validate(store.lineage_config(stage, version)).generation
     tokenizer = load_tokenizer(str(store.policy_dir(turns[0]["policy_version"])))
     report = audit(
         turns,
         store,
         tokenizer,
-        enable_thinking=config["generation"]["enable_thinking"],
+        enable_thinking=generation.enable_thinking,
         rescore_fraction=args.rescore_fraction,
         rescore_tolerance=args.tolerance,
-        temperature=config["generation"]["temperature"],
+        temperature=generation.temperature,
     )
     print(json.dumps(report.as_dict(), indent=2))
     if not report.ok:
@@ -275,8 +261,10 @@ def command_lineage(args: argparse.Namespace) -> None:
     store = Store(args.runs_dir)
     stage, version = store.resolve(args.reference)
     for manifest in store.lineage(stage, version):
-        where = ", ".join(f"{k}={manifest[k]}" for k in ("iteration", "turn") if manifest.get(k) is not None)
-        print(f"{manifest['stage']}/{manifest['version']}  {where}")
+        where = ", ".join(
+            f"{k}={getattr(manifest, k)}" for k in ("iteration", "turn") if getattr(manifest, k) is not None
+        )
+        print(f"{manifest.stage}/{manifest.version}  {where}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -297,7 +285,7 @@ def parser() -> argparse.ArgumentParser:
     run.set_defaults(handler=command_run)
 
     stage = commands.add_parser("stage", help="re-run one stage on a stored input, e.g. another estimator")
-    stage.add_argument("name", choices=["assign-rewards", "compute-advantages", "ppo-update"])
+    stage.add_argument("name", choices=[name for name, table in STAGES.items() if table.rerun_from])
     stage.add_argument("--from", dest="source", required=True, metavar="STAGE/VERSION", help="the stored input")
     stage.add_argument("--runs-dir", type=Path, default=Path("runs"))
     config_flags(stage, skip=("--runs-dir",))

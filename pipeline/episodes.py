@@ -17,7 +17,7 @@ from typing import Any
 import datasets
 import numpy as np
 
-from pipeline.store import source_version
+from pipeline.stage_table import source_version
 from schemas.config import RunConfig
 from stages import assign_rewards, execute_tools, generate_rollouts
 

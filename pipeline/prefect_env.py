@@ -1,4 +1,4 @@
-"""Prefect settings mtrl needs, applied before `import prefect` (see shared/notes/prefect.md).
+"""Prefect settings mtrl needs, applied before `import prefect`.
 
 Defaults only (a user's own environment wins): telemetry off, PREFECT_HOME inside the runs
 directory instead of ~/.prefect, a startup timeout that survives a first migration on a

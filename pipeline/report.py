@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.store import POLICY, Store, StoreError
+from pipeline.stage_table import POLICY
+from pipeline.store import Store, StoreError
 
 COLUMNS = (  # (key, header, width, decimals)
     ("iteration", "iter", 4, 0),
@@ -31,36 +32,31 @@ COLUMNS = (  # (key, header, width, decimals)
 
 def iterations(store: Store, policy_version: str | None = None) -> list[dict[str, Any]]:
     """One row per iteration of the lineage ending at `policy_version` (default: the newest)."""
+    policy_version = policy_version or store.latest_policy()
     if policy_version is None:
-        policies = store.versions(POLICY)
-        if not policies:
-            raise StoreError(f"no policy in {store.root}: nothing to report")
-        policy_version = max(policies, key=lambda m: (m.get("iteration", -1), m["created_at"]))["version"]
+        raise StoreError(f"no policy in {store.root}: nothing to report")
     rows = []
     version = policy_version
-    while parents := store.manifest(POLICY, version)["parents"]:
+    while parents := store.manifest(POLICY, version).parents:
         update = store.manifest("ppo-update", parents["ppo-update"])
-        advantages = store.manifest("compute-advantages", update["parents"]["compute-advantages"])
-        rewards = store.manifest("assign-rewards", advantages["parents"]["assign-rewards"])
-        seconds = update["wall_s"] + advantages["wall_s"] + rewards["wall_s"]
-        for tools in store.turns_of(rewards["parents"]["execute-tools"]):
-            generated = store.manifest("execute-tools", tools)["parents"]["generate-rollouts"]
+        advantages = store.manifest("compute-advantages", update.parents["compute-advantages"])
+        rewards = store.manifest("assign-rewards", advantages.parents["assign-rewards"])
+        seconds = update.wall_s + advantages.wall_s + rewards.wall_s
+        for tools in store.turns_of(rewards.parents["execute-tools"]):
+            executed = store.manifest("execute-tools", tools)
             seconds += (
-                store.manifest("execute-tools", tools)["wall_s"]
-                + store.manifest("generate-rollouts", generated)["wall_s"]
+                executed.wall_s + store.manifest("generate-rollouts", executed.parents["generate-rollouts"]).wall_s
             )
         rows.append(
             {
-                "iteration": update["iteration"],
-                "policy": update["parents"][POLICY],
-                **rewards["metrics"],
-                **{
-                    k: v for k, v in update["metrics"].items() if k in ("policy_loss", "kl", "entropy", "clip_fraction")
-                },
+                "iteration": update.iteration,
+                "policy": update.parents[POLICY],
+                **rewards.metrics,
+                **{k: v for k, v in update.metrics.items() if k in ("policy_loss", "kl", "entropy", "clip_fraction")},
                 "stage_seconds": seconds,
             }
         )
-        version = update["parents"][POLICY]
+        version = update.parents[POLICY]
     return rows[::-1]
 
 

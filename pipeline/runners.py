@@ -7,8 +7,10 @@
   in the process that holds the model. The runner changes where a stage runs, never its
   version or its bytes.
 
+Which stages may run on Ray is the stage table's `distributed` (pipeline/stage_table.py).
+
 Ray workers are separate processes: without a Prefect server to talk to, each one would start
-its own temporary server and its task runs would land there (shared/notes/prefect.md, §6), so
+its own temporary server and its task runs would land there, so
 the ray runner requires PREFECT_API_URL (`mtrl run` starts a local server when it is unset).
 On a cluster, the runs directory must be on a filesystem every node sees, and the API URL
 must be reachable from the nodes.
@@ -28,10 +30,8 @@ import datasets
 
 from schemas.config import RunnerConfig
 
-DISTRIBUTED_STAGES = frozenset({"execute-tools", "assign-rewards"})
-
 # Ray 2.60 would otherwise advertise the machine's LAN address, turn token auth on (writing
-# ~/.ray/auth_token) and send usage stats (shared/notes/prefect.md, §6).
+# ~/.ray/auth_token) and send usage stats.
 RAY_ENVIRONMENT = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_AUTH_MODE": "disabled",
@@ -52,7 +52,7 @@ def prefect_api_url() -> str | None:
 
 @contextlib.contextmanager
 def stage_runner(config: RunnerConfig) -> Iterator[Any | None]:
-    """The task runner for DISTRIBUTED_STAGES: None (run in this process) or a started
+    """The task runner for the distributed stages: None (run in this process) or a started
     RayTaskRunner, shut down on exit if it started Ray itself."""
     if config.kind == "thread":
         yield None

@@ -1,4 +1,5 @@
-"""The versioned store: one folder per (stage, version), written atomically, never overwritten.
+"""The versioned store: one folder per (stage, version), written atomically, never overwritten
+(see docs/store.md).
 
     <runs_dir>/<stage>/<version>/   a datasets.Dataset (save_to_disk) + manifest.json
     <runs_dir>/policy/<version>/    a save_pretrained checkpoint + manifest.json
@@ -31,15 +32,15 @@ from typing import Any
 import datasets
 import xxhash
 
-from schemas.features import STAGE_FEATURES
+from pipeline.stage_table import POLICY, STAGES
+from schemas.config import deep_merge
+from schemas.manifest import Manifest
 
 # datasets writes cache files (map, cast, flatten_indices, ...) next to the data a dataset was
 # loaded from, i.e. *into a finished version folder*. Our stages never need that cache.
 datasets.disable_caching()
 
-DATASET_STAGES = ("generate-rollouts", "execute-tools", "assign-rewards", "compute-advantages", "ppo-update")
-POLICY = "policy"
-STAGES = (*DATASET_STAGES, POLICY)
+STORED = (*STAGES, POLICY)  # the folders of a runs directory
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
 VERSION_CHARS = 16
@@ -57,14 +58,6 @@ def version_key(stage: str, code_version: str, config: dict[str, Any], parents: 
     """Content hash naming a stage output; configs are JSON-normalised by pydantic first."""
     payload = {"stage": stage, "code_version": code_version, "config": config, "parents": parents}
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:VERSION_CHARS]
-
-
-def source_version(*paths: str | Path) -> str:
-    """Code version of a stage: a hash of the source files its output depends on."""
-    digest = hashlib.sha256()
-    for path in paths:
-        digest.update(Path(path).read_bytes())
-    return digest.hexdigest()[:VERSION_CHARS]
 
 
 def file_digests(folder: Path) -> dict[str, dict[str, Any]]:
@@ -121,18 +114,18 @@ class Store:
     # ------------------------------------------------------------------ reading
 
     def path(self, stage: str, version: str) -> Path:
-        if stage not in STAGES:
-            raise StoreError(f"unknown stage '{stage}'; valid: {', '.join(STAGES)}")
+        if stage not in STORED:
+            raise StoreError(f"unknown stage '{stage}'; valid: {', '.join(STORED)}")
         return self.root / stage / version
 
     def exists(self, stage: str, version: str) -> bool:
         return (self.path(stage, version) / MANIFEST).is_file()
 
-    def manifest(self, stage: str, version: str) -> dict[str, Any]:
+    def manifest(self, stage: str, version: str) -> Manifest:
         path = self.path(stage, version) / MANIFEST
         if not path.is_file():
             raise StoreError(f"{stage}/{version} is not in the store at {self.root}")
-        return json.loads(path.read_text())
+        return Manifest.model_validate_json(path.read_text())
 
     def load(self, stage: str, version: str, verify: bool = True) -> datasets.Dataset:
         """The dataset of a version; its files are checked against the manifest's digests first
@@ -147,24 +140,24 @@ class Store:
     def policy_dir(self, version: str) -> Path:
         """Directory to load a policy from (an imported base model stays where it is)."""
         manifest = self.manifest(POLICY, version)
-        return Path(manifest["source_path"]) if manifest.get("source_path") else self.path(POLICY, version)
+        return Path(manifest.source_path) if manifest.source_path else self.path(POLICY, version)
 
-    def versions(self, stage: str | None = None) -> list[dict[str, Any]]:
+    def versions(self, stage: str | None = None) -> list[Manifest]:
         """Manifests of the finished versions, oldest first."""
         manifests = []
-        for name in [stage] if stage else STAGES:
+        for name in [stage] if stage else STORED:
             folder = self.root / name
             if folder.is_dir():
                 for entry in folder.iterdir():
                     if not entry.name.startswith(".") and (entry / MANIFEST).is_file():
-                        manifests.append(json.loads((entry / MANIFEST).read_text()))
-        return sorted(manifests, key=lambda m: (m["created_at"], m["stage"], m["version"]))
+                        manifests.append(Manifest.model_validate_json((entry / MANIFEST).read_text()))
+        return sorted(manifests, key=lambda m: (m.created_at, m.stage, m.version))
 
     def resolve(self, reference: str) -> tuple[str, str]:
         """'stage/version' (a unique version prefix is enough) -> (stage, version)."""
         stage, _, prefix = reference.strip("/").partition("/")
-        if stage not in STAGES or not prefix:
-            raise StoreError(f"'{reference}' is not STAGE/VERSION; stages: {', '.join(STAGES)}")
+        if stage not in STORED or not prefix:
+            raise StoreError(f"'{reference}' is not STAGE/VERSION; stages: {', '.join(STORED)}")
         folder = self.root / stage
         matches = (
             sorted(p.name for p in folder.iterdir() if p.name.startswith(prefix) and (p / MANIFEST).is_file())
@@ -176,10 +169,10 @@ class Store:
             raise StoreError(f"{found} of {stage} match '{prefix}' in {self.root}")
         return stage, matches[0]
 
-    def lineage(self, stage: str, version: str) -> list[dict[str, Any]]:
+    def lineage(self, stage: str, version: str) -> list[Manifest]:
         """This version and all its ancestors, depth first (each manifest once)."""
         seen: set[tuple[str, str]] = set()
-        chain: list[dict[str, Any]] = []
+        chain: list[Manifest] = []
 
         def visit(s: str, v: str) -> None:
             if (s, v) in seen:
@@ -187,7 +180,7 @@ class Store:
             seen.add((s, v))
             manifest = self.manifest(s, v)
             chain.append(manifest)
-            for parent_stage, parent_version in manifest.get("parents", {}).items():
+            for parent_stage, parent_version in manifest.parents.items():
                 visit(parent_stage.split("#")[0], parent_version)
 
         visit(stage, version)
@@ -200,13 +193,49 @@ class Store:
         current: str | None = tools_version
         while current is not None:
             chain.append(current)
-            generated = self.manifest("execute-tools", current)["parents"]["generate-rollouts"]
-            current = self.manifest("generate-rollouts", generated)["parents"].get("execute-tools")
+            generated = self.manifest("execute-tools", current).parents["generate-rollouts"]
+            current = self.manifest("generate-rollouts", generated).parents.get("execute-tools")
         return chain[::-1]
+
+    def ancestor(self, stage: str, version: str, of_stage: str) -> Manifest:
+        """The nearest version of `of_stage` in a version's lineage (e.g. its rollouts')."""
+        found = next((m for m in self.lineage(stage, version) if m.stage == of_stage), None)
+        if found is None:
+            raise StoreError(f"{stage}/{version} has no {of_stage} in its lineage")
+        return found
+
+    # ------------------------------------------------------------------ lineage queries
+
+    def latest_policy(self) -> str | None:
+        """The newest policy of the store (the highest iteration, then the newest write)."""
+        policies = self.versions(POLICY)
+        if not policies:
+            return None
+        newest = max(policies, key=lambda m: (-1 if m.iteration is None else m.iteration, m.created_at))
+        return newest.version
+
+    def reference_policy(self, policy_version: str) -> str:
+        """The starting policy of a policy's lineage (the imported model): the KL reference."""
+        version = policy_version
+        while parents := self.manifest(POLICY, version).parents:
+            version = self.manifest("ppo-update", parents["ppo-update"]).parents[POLICY]
+        return version
+
+    def generating_policy(self, stage: str, version: str) -> str:
+        """The policy that generated the rollouts a version was computed from."""
+        return self.ancestor(stage, version, "generate-rollouts").parents[POLICY]
+
+    def lineage_config(self, stage: str, version: str) -> dict[str, Any]:
+        """The config recorded along a version's lineage, as a partial run config: each stage
+        records the fields its output depends on; the newest record of a field wins."""
+        merged: dict[str, Any] = {}
+        for manifest in reversed(self.lineage(stage, version)):
+            merged = deep_merge(merged, manifest.config)
+        return merged
 
     def verify(self, stage: str, version: str) -> list[str]:
         """Problems with a version's files (empty when they match the manifest's digests)."""
-        expected = self.manifest(stage, version).get("files", {})
+        expected = self.manifest(stage, version).files
         actual = file_digests(self.path(stage, version))
         problems = [f"missing file {name}" for name in expected if name not in actual]
         problems += [f"unexpected file {name}" for name in actual if name not in expected]
@@ -219,7 +248,7 @@ class Store:
 
     def write(
         self, stage: str, version: str, fill: Callable[[Path], dict[str, Any]], manifest: dict[str, Any]
-    ) -> dict[str, Any]:
+    ) -> Manifest:
         """Atomically create stage/version: fill(tmp_dir) writes the files and returns extra
         manifest fields. Returns the final manifest. An existing version is never touched."""
         final = self.path(stage, version)
@@ -241,6 +270,7 @@ class Store:
                 "library_versions": library_versions(),
                 "files": file_digests(tmp),
             }
+            Manifest.model_validate(full)  # a malformed manifest fails here, before anything is published
             (tmp / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=True, default=str) + "\n")
             _fsync_tree(tmp)
             try:
@@ -251,16 +281,14 @@ class Store:
                     return self.manifest(stage, version)
                 raise
             _fsync_dir(final.parent)
-            return full
+            return Manifest.model_validate(full)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # SIGKILL skips this: clean_stale_tmp() does it later
             raise
 
-    def write_dataset(
-        self, stage: str, version: str, dataset: datasets.Dataset, manifest: dict[str, Any]
-    ) -> dict[str, Any]:
-        expected = STAGE_FEATURES.get(stage)
-        if expected is not None and dataset.features != expected:
+    def write_dataset(self, stage: str, version: str, dataset: datasets.Dataset, manifest: dict[str, Any]) -> Manifest:
+        expected = STAGES[stage].features
+        if dataset.features != expected:
             raise StoreError(f"{stage}/{version}: features differ from schemas.features: {dataset.features}")
 
         def fill(tmp: Path) -> dict[str, Any]:
@@ -284,7 +312,7 @@ class Store:
     def clean_stale_tmp(self) -> list[Path]:
         """Remove temporary folders left by writers that died (their pid is gone)."""
         removed = []
-        for stage in STAGES:
+        for stage in STORED:
             folder = self.root / stage
             if not folder.is_dir():
                 continue

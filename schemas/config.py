@@ -15,6 +15,15 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`top` over `base`, merging nested mappings (partial configs) key by key."""
+    merged = dict(base)
+    for key, value in top.items():
+        both_mappings = isinstance(value, dict) and isinstance(base.get(key), dict)
+        merged[key] = deep_merge(base[key], value) if both_mappings else value
+    return merged
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -221,6 +230,15 @@ class RunConfig(Section):
             node[leaf] = value
         return RunConfig.model_validate(data)
 
-    def section(self, *names: str) -> dict[str, Any]:
-        """JSON-normalised sections (what a stage hashes into its version)."""
-        return {name: getattr(self, name).model_dump(mode="json") for name in names}
+    def pick(self, *paths: str) -> dict[str, Any]:
+        """These fields as a JSON-normalised partial config (what a stage hashes into its
+        version), e.g. pick("advantage", "ppo.kl_coef") -> {"advantage": {...}, "ppo": {"kl_coef": 0.05}}."""
+        everything = self.model_dump(mode="json")
+        picked: dict[str, Any] = {}
+        for path in paths:
+            *sections, field = path.split(".")
+            source, target = everything, picked
+            for name in sections:
+                source, target = source[name], target.setdefault(name, {})
+            target[field] = source[field]
+        return picked

@@ -11,7 +11,30 @@ survive save/load bit-exactly. Only each turn's new tokens are stored (the delta
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from datasets import Dataset, Features, List, Value
+
+
+class FinishReason(StrEnum):
+    """Why generation of one completion stopped (column `finish_reason`)."""
+
+    STOP = "stop"  # an EOS token
+    STOP_STRING = "stop_string"  # a stop string the environment set
+    LENGTH = "length"  # max_new_tokens, or the context budget
+    FAILED = "failed"  # nothing generated: the rollout could not continue (see `failure`)
+    REPLAYED = "replayed"  # stored tokens fed back to rebuild an engine's cache (never stored)
+
+
+class StopReason(StrEnum):
+    """Why a rollout ended (column `stop_reason`, on its last turn; null while it goes on)."""
+
+    DONE = "done"  # the environment ended it (final answer, solved, gave up)
+    MAX_TURNS = "max_turns"  # cut at the task's turn limit
+    CONTEXT_OVERFLOW = "context_overflow"  # the next turn would not fit the context
+    LENGTH = "length"  # the completion was cut at max_new_tokens
+    FAILED = "failed"  # an infrastructure failure: flagged, never scored
+
 
 TOKENS = List(Value("int32"))
 FLOATS = List(Value("float32"))
@@ -32,7 +55,7 @@ GENERATE_ROLLOUTS = Features(
         "context_token_ids": TOKENS,  # appended before generation (prompt, or generation prompt)
         "completion_token_ids": TOKENS,  # exactly the sampled tokens
         "completion_logprobs": FLOATS,  # log_softmax(logits / T) of each sampled token
-        "finish_reason": Value("string"),  # stop (EOS) | stop_string | length
+        "finish_reason": Value("string"),  # a FinishReason
         "thinking": Value("string"),
         "content": Value("string"),
         "failed": Value("bool"),  # infrastructure failure: excluded from baselines and loss
@@ -60,7 +83,7 @@ EXECUTE_TOOLS = Features(
         "turn_reward": Value("float32"),
         "terminated": Value("bool"),  # natural end (final answer, solved, ...)
         "truncated": Value("bool"),  # cut: max turns, context overflow, length
-        "stop_reason": Value("string"),  # null while the rollout goes on; done | max_turns | ...
+        "stop_reason": Value("string"),  # a StopReason; null while the rollout goes on
     }
 )
 
@@ -99,14 +122,6 @@ PPO_UPDATE = Features(  # one row per optimiser step; null where a term is off
         "logprob_mismatch": Value("float32"),
     }
 )
-
-STAGE_FEATURES = {
-    "generate-rollouts": GENERATE_ROLLOUTS,
-    "execute-tools": EXECUTE_TOOLS,
-    "assign-rewards": ASSIGN_REWARDS,
-    "compute-advantages": COMPUTE_ADVANTAGES,
-    "ppo-update": PPO_UPDATE,
-}
 
 
 def dataset_from_rows(rows: list[dict], features: Features) -> Dataset:

@@ -52,7 +52,7 @@ def test_clean_data_passes_and_ppo_update_recorded_the_audit(run):
     assert report.ok, report.problems
     assert report.rescore_max_abs_diff < 1e-4
     manifest = store.manifest("ppo-update", result["versions"]["ppo-update"])
-    assert manifest["audit"]["ok"] and set(manifest["audit"]["checks"]) >= {"stream", "lengths", "rescore"}
+    assert manifest.extra("audit")["ok"] and set(manifest.extra("audit")["checks"]) >= {"stream", "lengths", "rescore"}
 
 
 def test_shifted_logprobs_fail_the_rescoring(run):

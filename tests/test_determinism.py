@@ -22,7 +22,7 @@ def run_once(runs_dir):
     )
     rl_training(config)
     store = Store(runs_dir)
-    return {f"{m['stage']}/{m['version']}": m["files"] for m in store.versions()}
+    return {f"{m.stage}/{m.version}": m.files for m in store.versions()}
 
 
 def test_two_runs_write_the_same_versions_with_byte_identical_files(tmp_path):

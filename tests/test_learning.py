@@ -26,8 +26,8 @@ def test_four_iterations_of_the_default_demo_raise_success_by_twenty_points(tmp_
 
     # Every update after the first continued the previous one's AdamW (state saved with the policy).
     store = Store(config.store.runs_dir)
-    updates = sorted(store.versions("ppo-update"), key=lambda m: m["iteration"])
-    restored = [m["optimizer_state_restored"] for m in updates]
+    updates = sorted(store.versions("ppo-update"), key=lambda m: m.iteration)
+    restored = [m.extra("optimizer_state_restored") for m in updates]
     assert restored[0] == 0 and all(n > 0 for n in restored[1:]), restored
-    assert all(m["memory"]["peak_rss_mb"] >= m["memory"]["rss_before_mb"] > 0 for m in updates)
+    assert all(m.extra("memory")["peak_rss_mb"] >= m.extra("memory")["rss_before_mb"] > 0 for m in updates)
     assert json.loads((tmp_path / "runs" / "report" / "summary.json").read_text())[-1]["iteration"] == 3

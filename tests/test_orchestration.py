@@ -27,19 +27,19 @@ def test_mtrl_stage_ab_tests_two_estimators_on_identical_rollouts(tmp_path, caps
     (rewards,) = store.versions("assign-rewards")
     (grpo,) = store.versions("compute-advantages")
     capsys.readouterr()
-    source = f"assign-rewards/{rewards['version']}"
+    source = f"assign-rewards/{rewards.version}"
     assert main(["stage", "compute-advantages", "--from", source, "--runs-dir", runs, "--advantage", "rloo"]) == 0
     rloo_version = capsys.readouterr().out.split()[0].split("/")[1]
     rloo = store.manifest("compute-advantages", rloo_version)
-    assert rloo_version != grpo["version"] and rloo["config"]["advantage"]["estimator"] == "rloo"
-    assert rloo["parents"] == grpo["parents"] and grpo["parents"]["assign-rewards"] == rewards["version"]
+    assert rloo_version != grpo.version and rloo.config["advantage"]["estimator"] == "rloo"
+    assert rloo.parents == grpo.parents and grpo.parents["assign-rewards"] == rewards.version
     # the recorded config of the lineage is reused: asking for grpo again is the stored version
     assert main(["stage", "compute-advantages", "--from", source, "--runs-dir", runs]) == 0
-    assert capsys.readouterr().out.split()[0] == f"compute-advantages/{grpo['version']}"
-    a, b = store.load("compute-advantages", grpo["version"]), store.load("compute-advantages", rloo_version)
+    assert capsys.readouterr().out.split()[0] == f"compute-advantages/{grpo.version}"
+    a, b = store.load("compute-advantages", grpo.version), store.load("compute-advantages", rloo_version)
     assert a["completion_token_ids"] == b["completion_token_ids"]
     assert any(v != 0 for row in a["advantages"] for v in row) and a["advantages"] != b["advantages"]
-    assert main(["stage", "ppo-update", "--from", f"assign-rewards/{rewards['version']}", "--runs-dir", runs]) == 2
+    assert main(["stage", "ppo-update", "--from", f"assign-rewards/{rewards.version}", "--runs-dir", runs]) == 2
 
 
 def prefect(env: dict, *args: str, cwd: Path = ROOT, timeout: float = 300) -> str:
@@ -85,10 +85,10 @@ def test_serve_then_two_triggered_runs_chain_iterations(prefect_server_env, tmp_
         serving.terminate()
         serving.wait(timeout=30)
     store = Store(runs)
-    policies = sorted(store.versions("policy"), key=lambda m: m["iteration"])
-    assert [m["iteration"] for m in policies] == [-1, 0, 1]
-    second_update = store.manifest("ppo-update", policies[2]["parents"]["ppo-update"])
-    assert second_update["parents"]["policy"] == policies[1]["version"]  # iteration 1 trained iteration 0's policy
+    policies = sorted(store.versions("policy"), key=lambda m: m.iteration)
+    assert [m.iteration for m in policies] == [-1, 0, 1]
+    second_update = store.manifest("ppo-update", policies[2].parents["ppo-update"])
+    assert second_update.parents["policy"] == policies[1].version  # iteration 1 trained iteration 0's policy
 
 
 @pytest.mark.slow

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline.store import STAGES, Store
+from pipeline.stage_table import POLICY, STAGES
+from pipeline.store import Store
 from schemas.token_stream import generation_prompt_ids, observation_token_ids, prompt_token_ids
 from stages.assign_rewards import ENVIRONMENTS
 from stages.execute_tools import TOOLS, tool_schema
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("prefect_server")
 
 
 def folders(store: Store) -> set[str]:
-    return {f"{m['stage']}/{m['version']}" for m in store.versions()}
+    return {f"{m.stage}/{m.version}" for m in store.versions()}
 
 
 @pytest.fixture(scope="module")
@@ -40,18 +41,18 @@ def first_run(tmp_path_factory):
 def test_every_stage_writes_a_versioned_dataset_with_a_manifest(first_run):
     config, results, store = first_run
     (result,) = results
-    assert {m["stage"] for m in store.versions()} == set(STAGES)
+    assert {m.stage for m in store.versions()} == {*STAGES, POLICY}
     for manifest in store.versions():
-        assert {"stage", "version", "parents", "config", "created_at", "files"} <= set(manifest)
-        assert store.verify(manifest["stage"], manifest["version"]) == []
-        if manifest["stage"] != "policy":
-            assert {"rows", "tokens", "wall_s"} <= set(manifest)
-            loaded = datasets.load_from_disk(str(store.path(manifest["stage"], manifest["version"])))
-            assert len(loaded) == manifest["rows"]
+        assert {"stage", "version", "parents", "config", "created_at", "files"} <= set(manifest.model_dump())
+        assert store.verify(manifest.stage, manifest.version) == []
+        if manifest.stage != POLICY:
+            assert manifest.rows is not None and manifest.wall_s is not None
+            loaded = datasets.load_from_disk(str(store.path(manifest.stage, manifest.version)))
+            assert len(loaded) == manifest.rows
     rewarded = store.load("assign-rewards", result["versions"]["assign-rewards"])
     assert set(rewarded["rollout_id"]) == set(range(8)) and len(rewarded) >= 8
     # the KL penalty (on by default) reads the reference: the starting policy
-    assert store.manifest("compute-advantages", result["versions"]["compute-advantages"])["parents"] == {
+    assert store.manifest("compute-advantages", result["versions"]["compute-advantages"]).parents == {
         "assign-rewards": result["versions"]["assign-rewards"],
         "policy#reference": result["policy"],
     }
@@ -164,8 +165,8 @@ def test_gae_with_kl_in_the_reward_and_lora_over_two_iterations(tmp_path):
     store = Store(config.store.runs_dir)
     for result in (first, second):
         manifest = store.manifest("compute-advantages", result["versions"]["compute-advantages"])
-        assert manifest["parents"]["policy"] == result["policy"]
-        assert manifest["parents"]["policy#reference"] == first["policy"]  # the iteration-0 policy
+        assert manifest.parents["policy"] == result["policy"]
+        assert manifest.parents["policy#reference"] == first["policy"]  # the iteration-0 policy
         data = store.load("compute-advantages", result["versions"]["compute-advantages"])
         assert all(len(v) == len(c) for v, c in zip(data["values"], data["completion_token_ids"]))
         assert all(len(r) == len(c) for r, c in zip(data["ref_logprobs"], data["completion_token_ids"]))

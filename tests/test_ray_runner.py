@@ -31,11 +31,11 @@ def test_ray_runner_writes_the_versions_of_the_thread_runner(tmp_path, prefect_s
     assert "started a Prefect server for the Ray workers at http://127.0.0.1:" in log
 
     threaded, distributed = Store(tmp_path / "thread"), Store(tmp_path / "ray")
-    expected = {f"{m['stage']}/{m['version']}": m["files"] for m in threaded.versions()}
-    assert {f"{m['stage']}/{m['version']}": m["files"] for m in distributed.versions()} == expected
+    expected = {f"{m.stage}/{m.version}": m.files for m in threaded.versions()}
+    assert {f"{m.stage}/{m.version}": m.files for m in distributed.versions()} == expected
 
     def processes(store: Store, stage: str) -> set[int]:
-        return {m["process"]["pid"] for m in store.versions(stage)}
+        return {m.extra("process")["pid"] for m in store.versions(stage)}
 
     (driver,) = processes(distributed, "generate-rollouts")  # generation stays with the model
     assert driver not in processes(distributed, "execute-tools") | processes(distributed, "assign-rewards")

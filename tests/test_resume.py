@@ -43,8 +43,8 @@ def start(runs_dir: Path, env: dict) -> subprocess.Popen:
 def contents(runs_dir: Path) -> dict[str, dict]:
     store = Store(runs_dir)
     for manifest in store.versions():
-        assert store.verify(manifest["stage"], manifest["version"]) == []
-    return {f"{m['stage']}/{m['version']}": m["files"] for m in store.versions()}
+        assert store.verify(manifest.stage, manifest.version) == []
+    return {f"{m.stage}/{m.version}": m.files for m in store.versions()}
 
 
 def test_sigkill_at_ten_random_moments_then_resume_gives_the_uninterrupted_data(tmp_path, prefect_server_env):
@@ -76,7 +76,7 @@ def test_sigkill_at_ten_random_moments_then_resume_gives_the_uninterrupted_data(
     assert kills == sorted(kills) and kills[-1] < len(expected)  # progress between kills, not finished
     assert [p for p in faulted.rglob(".tmp-*")] == []  # cleaned by the restarts (their writers are dead)
     assert contents(faulted) == expected
-    replays = [m.get("replay") for m in Store(faulted).versions("generate-rollouts") if m.get("replay")]
+    replays = [m.extra("replay") for m in Store(faulted).versions("generate-rollouts") if m.extra("replay")]
     assert all(r["max_abs_logprob_difference"] == 0.0 for r in replays)
 
 

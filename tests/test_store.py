@@ -12,9 +12,10 @@ import pytest
 
 from pipeline.store import Store, StoreError, version_key
 from schemas.config import RunConfig
+from schemas.manifest import Manifest
 
 
-def write_toy(store: Store, stage: str, version: str, values: list[int], manifest: dict | None = None) -> dict:
+def write_toy(store: Store, stage: str, version: str, values: list[int], manifest: dict | None = None) -> Manifest:
     """A version holding a toy dataset (the stage schemas are tested elsewhere)."""
 
     def fill(folder):
@@ -37,7 +38,7 @@ def test_config_types_are_normalised_before_hashing():
     # {"lr": 1} and {"lr": 1.0} would hash differently; pydantic normalises them.
     one = RunConfig().with_overrides({"ppo.learning_rate": 1})
     one_float = RunConfig().with_overrides({"ppo.learning_rate": 1.0})
-    assert version_key("s", "c", one.section("ppo"), {}) == version_key("s", "c", one_float.section("ppo"), {})
+    assert version_key("s", "c", one.pick("ppo"), {}) == version_key("s", "c", one_float.pick("ppo"), {})
 
 
 def test_a_dataset_must_match_its_stage_schema(tmp_path):
@@ -52,7 +53,7 @@ def test_write_is_atomic_and_never_overwrites(tmp_path):
     assert store.exists("assign-rewards", "v1")
     assert store.load("assign-rewards", "v1")["x"] == [1, 2]
     again = write_toy(store, "assign-rewards", "v1", [9, 9, 9], {"parents": {}})
-    assert again["created_at"] == first["created_at"]  # untouched
+    assert again.created_at == first.created_at  # untouched
     assert store.load("assign-rewards", "v1")["x"] == [1, 2]
     assert [p.name for p in (tmp_path / "assign-rewards").iterdir()] == ["v1"]
 
@@ -93,8 +94,8 @@ def test_manifest_records_lineage_and_digests_detect_edits(tmp_path):
     write_toy(store, "assign-rewards", "a1", [1], {"parents": {}, "config": {"k": 1}})
     write_toy(store, "compute-advantages", "b1", [2], {"parents": {"assign-rewards": "a1"}})
     manifest = store.manifest("compute-advantages", "b1")
-    assert {"stage", "version", "parents", "created_at", "rows", "files", "library_versions"} <= set(manifest)
-    assert [m["version"] for m in store.lineage("compute-advantages", "b1")] == ["b1", "a1"]
+    assert {"stage", "version", "parents", "created_at", "rows", "files", "library_versions"} <= set(manifest.model_dump())
+    assert [m.version for m in store.lineage("compute-advantages", "b1")] == ["b1", "a1"]
     assert store.verify("compute-advantages", "b1") == []
     shard = next(p for p in store.path("compute-advantages", "b1").glob("*.arrow"))
     data = bytearray(shard.read_bytes())

@@ -6,7 +6,7 @@
     python -m pipeline.embedded.build expert --seed 0      # SFT from scratch -> expert/
     python -m pipeline.embedded.build policy               # noisy fine-tune of expert/ -> policy/
 
-Why two checkpoints are committed (see shared/notes/tiny-model.md): a tiny model learns the
+Why two checkpoints are committed: a tiny model learns the
 tool-call *format* quickly, but copying the expression correctly appears through a sharp,
 seed-dependent phase transition. Retraining in CI is therefore not reliable, so the expert
 checkpoint is committed with the command that produced it, and the imperfect starting policy

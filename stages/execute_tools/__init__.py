@@ -18,7 +18,7 @@ from typing import Any
 import datasets
 
 from schemas.config import GenerationConfig, TaskConfig, ToolsConfig
-from schemas.features import EXECUTE_TOOLS, dataset_from_rows
+from schemas.features import EXECUTE_TOOLS, FinishReason, StopReason, dataset_from_rows
 from schemas.token_stream import generation_prompt_ids, observation_token_ids
 from stages.execute_tools.calls import (
     FAILURE_KINDS,
@@ -77,9 +77,9 @@ def _step_turn(
         "failure": row["failure"],
     }
     if row["failed"]:  # generation failed for this rollout: flagged, never scored
-        return {**out, "stop_reason": "failed"}
-    if row["finish_reason"] == "length":  # cut mid-answer: nothing to execute
-        return {**out, "truncated": True, "stop_reason": "length"}
+        return {**out, "stop_reason": StopReason.FAILED}
+    if row["finish_reason"] == FinishReason.LENGTH:  # cut mid-answer: nothing to execute
+        return {**out, "truncated": True, "stop_reason": StopReason.LENGTH}
     task = json.loads(row["task_payload"])
     calls = parse_tool_calls(row["content"])
     own_tools = {name: tools[name] for name in environment.tools}  # an agent only has its task's tools
@@ -105,7 +105,7 @@ def _step_turn(
     ]
     crashed = [result.content for result in results if result.error == "crashed"]
     if crashed:  # the tool's process died: an infrastructure failure, not the agent's
-        return {**out, "failed": True, "failure": crashed[0][:1000], "stop_reason": "failed"}
+        return {**out, "failed": True, "failure": crashed[0][:1000], "stop_reason": StopReason.FAILED}
     try:
         step = environment.step(
             task,
@@ -119,18 +119,18 @@ def _step_turn(
         observation = observation_token_ids(tokenizer, step.observation) if not step.done else []
     except Exception as exc:  # an environment bug fails this rollout, visibly, not the run
         failure = f"environment '{row['task']}' raised {exc.__class__.__name__}: {exc}"
-        return {**out, "failed": True, "failure": failure[:1000], "stop_reason": "failed"}
+        return {**out, "failed": True, "failure": failure[:1000], "stop_reason": StopReason.FAILED}
     out.update(turn_reward=float(step.reward), next_env_state=next_env_state)
     if step.done:
-        return {**out, "terminated": True, "stop_reason": "done"}
+        return {**out, "terminated": True, "stop_reason": StopReason.DONE}
     if row["turn"] + 1 >= environment.turn_limit(task_config.max_turns):
-        return {**out, "truncated": True, "stop_reason": "max_turns"}
-    if row["finish_reason"] == "stop_string":  # the turn was cut at a stop string: close it
+        return {**out, "truncated": True, "stop_reason": StopReason.MAX_TURNS}
+    if row["finish_reason"] == FinishReason.STOP_STRING:  # the turn was cut at a stop string: close it
         observation = [tokenizer.eos_token_id, *observation]
     next_prompt = generation_prompt_ids(tokenizer, generation_config.enable_thinking)
     used = row["stream_offset"] + len(row["context_token_ids"]) + len(row["completion_token_ids"])
     if used + len(observation) + len(next_prompt) >= generation_config.max_context_tokens:
-        return {**out, "truncated": True, "stop_reason": "context_overflow"}
+        return {**out, "truncated": True, "stop_reason": StopReason.CONTEXT_OVERFLOW}
     out["observation_token_ids"] = observation
     out["observation"] = tokenizer.decode(observation)
     out["next_stop"] = list(step.stop or [])

@@ -1,0 +1,137 @@
+"""The stage table: every fact about a stage, in one place (see docs/architecture.md).
+
+The store's folders, the Arrow schema a version must have, what goes into its version hash
+(config fields, derived values, code), where it may run and whether `mtrl stage` re-runs it:
+all of it is read from STAGES. Adding a stage is one entry here, its module in stages/ and
+its Prefect task in pipeline/flows.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from datasets import Features
+
+from schemas import features
+from schemas.config import RunConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+POLICY = "policy"  # the other kind of stored version: a checkpoint written by ppo-update
+# Every stage's output depends on the row schema and the token-stream contract.
+SHARED_CODE = ("schemas/features.py", "schemas/token_stream.py")
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    function: str  # "module:function", the pure function over datasets that does the work
+    inputs: tuple[str, ...]  # the stored versions it may read (its manifest's parents)
+    features: Features  # the Arrow schema of its dataset
+    config: tuple[str, ...]  # config fields its output depends on (hashed into its version)
+    derived: tuple[str, ...] = ()  # values computed from the config, hashed too (see DERIVED)
+    code: tuple[str, ...] = ()  # source its output depends on, besides SHARED_CODE (a folder: its *.py)
+    distributed: bool = False  # may run as Ray tasks (runner.kind=ray); generation and training hold a model
+    rerun_from: str | None = None  # `mtrl stage NAME --from STAGE/VERSION` re-runs it on this input
+
+    @property
+    def code_version(self) -> str:
+        """A hash of the source files its output depends on: editing them gives new versions."""
+        files = []
+        for name in (*self.code, *SHARED_CODE):
+            path = ROOT / name
+            files += sorted(path.glob("*.py")) if path.is_dir() else [path]
+        return source_version(*files)
+
+    def recorded_config(self, config: RunConfig) -> dict[str, Any]:
+        """The part of the run config this stage's output depends on, as a partial config."""
+        return config.pick(*self.config)
+
+    def derived_values(self, config: RunConfig) -> dict[str, Any]:
+        return {name: DERIVED[name](config) for name in self.derived}
+
+
+def source_version(*paths: str | Path) -> str:
+    """A short hash of the contents of these files."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(Path(path).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _device(config: RunConfig) -> str:
+    from pipeline.models import pick_device  # imports torch: only when a version is computed
+
+    return pick_device(config.model.device).type
+
+
+def _environment_code(config: RunConfig) -> dict[str, str]:
+    from pipeline.episodes import environment_code
+
+    return environment_code(config)
+
+
+DERIVED: dict[str, Callable[[RunConfig], Any]] = {
+    "device": _device,  # kernels differ by device, so do the numbers
+    "environment_code": _environment_code,  # the environments and tools of the task mix (user plugins too)
+}
+
+STAGES: dict[str, Stage] = {
+    stage.name: stage
+    for stage in (
+        Stage(
+            name="generate-rollouts",
+            function="stages.generate_rollouts:generate_rollouts",
+            inputs=(POLICY, "execute-tools"),  # the policy, and the earlier turns (from turn 1 on)
+            features=features.GENERATE_ROLLOUTS,
+            config=("generation", "task", "seed", "model.dtype"),
+            derived=("device", "environment_code"),
+            code=("stages/generate_rollouts.py",),
+        ),
+        Stage(
+            name="execute-tools",
+            function="stages.execute_tools:execute_tools",
+            inputs=("generate-rollouts",),
+            features=features.EXECUTE_TOOLS,
+            config=("tools", "task", "generation"),
+            derived=("environment_code",),  # environments decide observations and termination
+            code=("stages/execute_tools",),
+            distributed=True,
+        ),
+        Stage(
+            name="assign-rewards",
+            function="stages.assign_rewards:assign_rewards",
+            inputs=("execute-tools",),  # the last turn's version; it names the earlier ones
+            features=features.ASSIGN_REWARDS,
+            config=("reward",),
+            derived=("environment_code",),  # environments score the rollouts
+            code=("stages/assign_rewards.py",),
+            distributed=True,
+            rerun_from="execute-tools",
+        ),
+        Stage(
+            name="compute-advantages",
+            function="stages.compute_advantages:compute_advantages",
+            # the policy's critic (estimators that need values), the reference policy (a KL penalty)
+            inputs=("assign-rewards", POLICY, f"{POLICY}#reference"),
+            features=features.COMPUTE_ADVANTAGES,
+            config=("advantage", "ppo.kl_coef", "ppo.kl_estimator", "ppo.kl_in", "generation.temperature"),
+            derived=("device",),
+            code=("stages/compute_advantages.py",),
+            rerun_from="assign-rewards",
+        ),
+        Stage(
+            name="ppo-update",
+            function="stages.ppo_update:ppo_update",
+            inputs=("compute-advantages", POLICY),
+            features=features.PPO_UPDATE,
+            config=("ppo", "seed", "generation.temperature"),
+            derived=("device",),
+            code=("stages/ppo_update.py",),
+            rerun_from="compute-advantages",
+        ),
+    )
+}

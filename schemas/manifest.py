@@ -1,0 +1,40 @@
+"""The manifest.json written beside every stored version (see docs/store.md).
+
+Every version records where it came from (its parents and the config its output depends
+on), what it holds and how long it took. Stages add their own fields (metrics, provenance,
+audit results, ...): they are kept as extra fields and shown by `mtrl show`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    stage: str
+    version: str
+    parents: dict[str, str] = Field(default_factory=dict)  # input stage -> version ("policy#reference": the KL's)
+    config: dict[str, Any] = Field(default_factory=dict)  # the config fields hashed into the version
+    derived: dict[str, Any] = Field(default_factory=dict)  # hashed values not in the config (device, code of envs)
+    code_version: str = ""
+    created_at: str
+    iteration: int | None = None
+    turn: int | None = None
+    rows: int | None = None  # dataset rows (none for a policy)
+    tokens: dict[str, int] = Field(default_factory=dict)  # context / completion / observation tokens
+    wall_s: float | None = None  # computing it
+    write_s: float | None = None  # storing it
+    metrics: dict[str, Any] = Field(default_factory=dict)
+    active: int | None = None  # execute-tools: rollouts still going on after this turn
+    policy: str | None = None  # ppo-update: the policy version it wrote
+    source_path: str | None = None  # an imported base policy: where it is loaded from (never copied)
+    files: dict[str, dict[str, Any]] = Field(default_factory=dict)  # relative path -> bytes and xxh3 digest
+    library_versions: dict[str, str] = Field(default_factory=dict)
+
+    def extra(self, name: str, default: Any = None) -> Any:
+        """A stage's own field (e.g. "replay", "audit", "provenance")."""
+        return (self.model_extra or {}).get(name, default)

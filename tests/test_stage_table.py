@@ -1,0 +1,63 @@
+"""The stage table is the one list of stages: every entry must point at real code and config."""
+
+from __future__ import annotations
+
+import importlib
+
+import datasets
+
+from pipeline.stage_table import DERIVED, POLICY, ROOT, STAGES
+from pipeline.store import Store
+from schemas.config import RunConfig
+
+
+def test_every_stage_entry_points_at_real_code_schemas_and_config():
+    config = RunConfig()
+    for name, stage in STAGES.items():
+        module, _, function = stage.function.partition(":")
+        assert callable(getattr(importlib.import_module(module), function)), name
+        assert isinstance(stage.features, datasets.Features) and stage.features, name
+        assert {i.split("#")[0] for i in stage.inputs} <= {*STAGES, POLICY}, name
+        assert stage.rerun_from is None or stage.rerun_from in stage.inputs, name
+        assert set(stage.derived) <= set(DERIVED), name
+        assert all((ROOT / path).exists() for path in stage.code), name
+        config.pick(*stage.config)  # raises KeyError on a field that does not exist
+        assert len(stage.code_version) == 16
+
+
+def test_a_changed_config_field_changes_only_the_stages_that_record_it():
+    from pipeline.flows import stage_version
+
+    base, changed = RunConfig(), RunConfig().with_overrides({"advantage.estimator": "rloo"})
+    moved = {name for name in STAGES if stage_version(base, name, {}, {}) != stage_version(changed, name, {}, {})}
+    assert moved == {"compute-advantages"}
+    kl = RunConfig().with_overrides({"ppo.kl_coef": 0.2})
+    moved = {name for name in STAGES if stage_version(base, name, {}, {}) != stage_version(kl, name, {}, {})}
+    assert moved == {"compute-advantages", "ppo-update"}
+
+
+def test_lineage_config_merges_the_fields_each_ancestor_recorded(tmp_path):
+    store = Store(tmp_path)
+
+    def write(stage: str, version: str, config: dict, parents: dict) -> None:
+        rows = datasets.Dataset.from_dict({"x": [1]})
+        store.write(
+            stage, version, lambda tmp: rows.save_to_disk(str(tmp)) or {}, {"config": config, "parents": parents}
+        )
+
+    write("assign-rewards", "a1", {"reward": {"overlong_reward": 0.5}, "ppo": {"kl_coef": 0.1}}, {})
+    write(
+        "compute-advantages",
+        "b1",
+        {"advantage": {"estimator": "rloo"}, "ppo": {"kl_in": "loss"}},
+        {"assign-rewards": "a1"},
+    )
+    merged = store.lineage_config("compute-advantages", "b1")
+    # the two partial ppo records are merged, not one replacing the other
+    assert merged == {
+        "reward": {"overlong_reward": 0.5},
+        "ppo": {"kl_coef": 0.1, "kl_in": "loss"},
+        "advantage": {"estimator": "rloo"},
+    }
+    config = RunConfig.model_validate(merged)
+    assert config.ppo.kl_coef == 0.1 and config.ppo.kl_in == "loss" and config.advantage.estimator == "rloo"
