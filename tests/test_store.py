@@ -94,7 +94,9 @@ def test_manifest_records_lineage_and_digests_detect_edits(tmp_path):
     write_toy(store, "assign-rewards", "a1", [1], {"parents": {}, "config": {"k": 1}})
     write_toy(store, "compute-advantages", "b1", [2], {"parents": {"assign-rewards": "a1"}})
     manifest = store.manifest("compute-advantages", "b1")
-    assert {"stage", "version", "parents", "created_at", "rows", "files", "library_versions"} <= set(manifest.model_dump())
+    assert {"stage", "version", "parents", "created_at", "rows", "files", "library_versions"} <= set(
+        manifest.model_dump()
+    )
     assert [m.version for m in store.lineage("compute-advantages", "b1")] == ["b1", "a1"]
     assert store.verify("compute-advantages", "b1") == []
     shard = next(p for p in store.path("compute-advantages", "b1").glob("*.arrow"))
