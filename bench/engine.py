@@ -49,7 +49,8 @@ from stages.ppo_update import ppo_update
 
 def build_model(name: str, device: torch.device) -> torch.nn.Module:
     if name == "tiny":
-        from pipeline.models import EMBEDDED_POLICY, load_model
+        from pipeline.models import EMBEDDED_POLICY
+        from stages.policy import load_model
 
         return load_model(EMBEDDED_POLICY, "float32", device.type)
     config = Qwen3Config(  # Qwen3-0.6B's shape; random weights cost the same per step

@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 
 from pipeline.episodes import run_episodes
-from pipeline.models import EMBEDDED_POLICY, eos_token_ids, load_model, load_tokenizer
+from pipeline.models import EMBEDDED_POLICY
 from schemas.config import RunConfig
 from stages.generate_rollouts import Engine
+from stages.policy import eos_token_ids, load_model, load_tokenizer
 
 
 class TimedEngine(Engine):

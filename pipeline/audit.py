@@ -29,8 +29,10 @@ import numpy as np
 
 from pipeline.stage_table import POLICY
 from pipeline.store import Store
+from schemas.config import RunConfig
 from schemas.token_stream import generation_prompt_ids, prompt_token_ids
-from stages import assign_rewards, execute_tools, ppo_update
+from stages import assign_rewards, execute_tools
+from stages.policy import load_model, load_tokenizer, score_rollouts
 
 
 class AuditError(ValueError):
@@ -166,8 +168,6 @@ def audit(
 
 def _rescore(turns, store, rollouts, fraction, temperature, seed, pad_token_id) -> float:
     """Max |stored - recomputed| logprob over a seeded sample of rollouts of each policy."""
-    from pipeline.models import load_model
-
     rng = random.Random(seed)
     chosen = sorted(rng.sample(sorted(rollouts), max(1, math.ceil(fraction * len(rollouts)))))
     rows = [row["_row"] for r in chosen for row in rollouts[r]]
@@ -176,10 +176,31 @@ def _rescore(turns, store, rollouts, fraction, temperature, seed, pad_token_id) 
     for policy in sorted(set(sample["policy_version"])):
         part = sample.select([i for i, v in enumerate(sample["policy_version"]) if v == policy])
         model = load_model(store.policy_dir(policy), "float32", "cpu")
-        recomputed, _ = ppo_update.score_rollouts(
+        recomputed, _ = score_rollouts(
             model, part, temperature=temperature, pad_token_id=pad_token_id, chunk_tokens=1024, batch_rollouts=8
         )
         for stored, fresh in zip(part["completion_logprobs"], recomputed):
             if stored and len(stored) == len(fresh):  # a length mismatch is the lengths check's
                 worst = max(worst, float(np.max(np.abs(np.asarray(stored) - np.asarray(fresh)))))
     return worst
+
+
+def audit_before_training(
+    store: Store, version: str, turns: datasets.Dataset, config: RunConfig, seed: int
+) -> AuditReport:
+    """The gate in front of ppo-update: audit compute-advantages/`version` (its rows `turns`)
+    with the run's settings; a dataset that fails raises AuditError and is never trained on."""
+    policy_dir = store.policy_dir(store.generating_policy("compute-advantages", version))
+    report = audit(
+        turns,
+        store,
+        load_tokenizer(str(policy_dir)),
+        enable_thinking=config.generation.enable_thinking,
+        rescore_fraction=config.ppo.audit_rescore_fraction,
+        rescore_tolerance=config.ppo.audit_tolerance,
+        temperature=config.generation.temperature,
+        seed=seed,
+    )
+    if not report.ok:
+        raise AuditError(f"compute-advantages/{version} fails the audit: " + "; ".join(report.problems))
+    return report

@@ -18,11 +18,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pipeline.models import ModelError
 from pipeline.report import write_report
 from pipeline.stage_table import STAGES
 from pipeline.store import Store, StoreError
 from schemas.config import RunConfig, deep_merge
+from stages.policy import ModelError
 
 RUN_FLAGS = {  # flag -> (config field, type, help)
     "--iterations": ("iterations", int, "RL iterations"),
@@ -111,8 +111,9 @@ def command_run(args: argparse.Namespace) -> None:
 
     prefect_env.configure_api(config.store.runs_dir, config.runner.kind)
     from pipeline.flows import rl_training
-    from pipeline.models import load_tokenizer, resolve_model_dir
+    from pipeline.models import resolve_model_dir
     from pipeline.runners import RunnerError
+    from stages.policy import load_tokenizer
 
     try:
         load_tokenizer(resolve_model_dir(config.model.path))
@@ -179,8 +180,9 @@ def command_eval(args: argparse.Namespace) -> None:
     config = build_config(args)
     validate_choices(config)
     from pipeline.episodes import rollout_metrics, run_episodes, task_turn_limits
-    from pipeline.models import eos_token_ids, load_model, load_tokenizer, resolve_model_dir
+    from pipeline.models import resolve_model_dir
     from stages.generate_rollouts import Engine
+    from stages.policy import eos_token_ids, load_model, load_tokenizer
 
     store = Store(config.store.runs_dir)
     model_dir = (
@@ -230,7 +232,7 @@ def command_show(args: argparse.Namespace) -> None:
 
 def command_audit(args: argparse.Namespace) -> None:
     from pipeline.audit import audit
-    from pipeline.models import load_tokenizer
+    from stages.policy import load_tokenizer
 
     store = Store(args.runs_dir)
     stage, version = store.resolve(args.reference)

@@ -22,12 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-import numpy as np
-import torch
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from pipeline.audit import AuditError, audit
+from pipeline.audit import audit_before_training
 from pipeline.episodes import (
     execute_turn,
     generate_turn,
@@ -37,7 +35,7 @@ from pipeline.episodes import (
     turn_limit,
 )
 from pipeline.memory import peak_memory
-from pipeline.models import eos_token_ids, load_model, load_tokenizer, resolve_model_dir
+from pipeline.models import resolve_model_dir
 from pipeline.report import write_report
 from pipeline.runners import map_row_shards, stage_runner
 from pipeline.stage_table import POLICY, STAGES
@@ -46,6 +44,7 @@ from schemas.config import RunConfig
 from schemas.features import PPO_UPDATE, dataset_from_rows, token_counts
 from schemas.token_stream import CONTEXT_CONVENTION, chat_template_hash
 from stages import assign_rewards, compute_advantages, execute_tools, generate_rollouts, ppo_update
+from stages.policy import eos_token_ids, load_model, load_tokenizer
 
 POLICY_CODE_VERSION = "1"  # the layout of a stored policy (a save_pretrained folder + optimiser state)
 
@@ -257,47 +256,21 @@ def update_parents(store: Store, advantaged: str) -> tuple[dict[str, str], dict[
     return {"compute-advantages": advantaged, POLICY: rollouts.parents[POLICY]}, {"iteration": rollouts.iteration}
 
 
-def _scoring_model(store: Store, config: RunConfig, policy_version: str) -> tuple[Any, Any]:
-    model_dir = store.policy_dir(policy_version)
-    return load_model(model_dir, "float32", config.model.device), load_tokenizer(str(model_dir))
-
-
 @stage_task("compute-advantages")
 def compute_advantages_task(
     store: Store, config: RunConfig, parents: dict[str, str]
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
     turns = store.load("assign-rewards", parents["assign-rewards"])
-    score = functools.partial(
-        ppo_update.score_rollouts,
+    scored = compute_advantages.score_with_policies(
+        turns,
+        critic_dir=store.policy_dir(parents[POLICY]) if POLICY in parents else None,
+        reference_dir=store.policy_dir(parents[f"{POLICY}#reference"]) if f"{POLICY}#reference" in parents else None,
+        ppo=config.ppo,
         temperature=config.generation.temperature,
-        chunk_tokens=config.ppo.logprob_chunk_tokens,
-        batch_rollouts=config.ppo.micro_batch_rollouts,
+        device=config.model.device,
     )
-    values = ref_logprobs = kl_penalty = None
-    if POLICY in parents:  # the critic's values
-        model, tokenizer = _scoring_model(store, config, parents[POLICY])
-        head = ppo_update.ValueHead.load(store.policy_dir(parents[POLICY]), model.config.hidden_size)
-        _, values = score(model, turns, pad_token_id=tokenizer.pad_token_id, value_head=head)
-    if f"{POLICY}#reference" in parents:
-        model, tokenizer = _scoring_model(store, config, parents[f"{POLICY}#reference"])
-        ref_logprobs, _ = score(model, turns, pad_token_id=tokenizer.pad_token_id)
-        if config.ppo.kl_in == "reward":
-            kl_penalty = [
-                (
-                    config.ppo.kl_coef
-                    * ppo_update.kl_estimate(torch.tensor(generated), torch.tensor(reference), config.ppo.kl_estimator)
-                ).tolist()
-                for generated, reference in zip(turns["completion_logprobs"], ref_logprobs)
-            ]
-    dataset = compute_advantages.compute_advantages(
-        turns, config.advantage, values=values, kl_penalty=kl_penalty, ref_logprobs=ref_logprobs
-    )
-    per_token = np.concatenate([np.asarray(a, dtype=np.float32) for a in dataset["advantages"]] or [np.zeros(0)])
-    summary = {
-        "advantage_mean": float(per_token.mean()) if per_token.size else 0.0,
-        "advantage_abs_mean": float(np.abs(per_token).mean()) if per_token.size else 0.0,
-    }
-    return dataset, {"metrics": summary}
+    dataset = compute_advantages.compute_advantages(turns, config.advantage, **scored)
+    return dataset, {"metrics": compute_advantages.advantage_metrics(dataset)}
 
 
 @stage_task("ppo-update")
@@ -305,75 +278,27 @@ def ppo_update_task(
     store: Store, config: RunConfig, parents: dict[str, str], iteration: int
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
     """Train the policy on the iteration's rollouts; write the next policy, then the metrics."""
-    advantaged, policy_version = parents["compute-advantages"], parents[POLICY]
+    turns = store.load("compute-advantages", parents["compute-advantages"])
+    report = audit_before_training(store, parents["compute-advantages"], turns, config, seed=config.seed + iteration)
+    with peak_memory() as memory:  # this stage's own peak (resident set; CUDA allocator)
+        trained = ppo_update.train_policy(
+            turns,
+            store.policy_dir(parents[POLICY]),
+            config=config.ppo,
+            train_critic=config.advantage.estimator in compute_advantages.NEEDS_VALUES,
+            temperature=config.generation.temperature,
+            seed=config.seed + iteration,
+            device=config.model.device,
+        )
     version = stage_version(config, "ppo-update", parents, {"iteration": iteration})
     next_policy = version_key(POLICY, POLICY_CODE_VERSION, {}, {"ppo-update": version})
-    model, tokenizer = _scoring_model(store, config, policy_version)
-    turns = store.load("compute-advantages", advantaged)
-    report = audit(
-        turns,
-        store,
-        tokenizer,
-        enable_thinking=config.generation.enable_thinking,
-        rescore_fraction=config.ppo.audit_rescore_fraction,
-        rescore_tolerance=config.ppo.audit_tolerance,
-        temperature=config.generation.temperature,
-        seed=config.seed + iteration,
-    )
-    if not report.ok:
-        raise AuditError(f"compute-advantages/{advantaged} fails the audit: " + "; ".join(report.problems))
-    value_head = None
-    if config.advantage.estimator in compute_advantages.NEEDS_VALUES:
-        value_head = ppo_update.ValueHead.load(store.policy_dir(policy_version), model.config.hidden_size)
-        value_head.to(model.device)
-    optimizer, restored = None, 0
-    if config.ppo.lora_rank > 0:  # fresh adapters, merged after the update: no optimiser to continue
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(r=config.ppo.lora_rank, lora_alpha=config.ppo.lora_alpha, target_modules="all-linear")
-        model = get_peft_model(model, lora)
-    else:  # continue the AdamW of the previous iteration (its state is saved beside its policy)
-        optimizer = ppo_update.build_optimizer(model, config.ppo, value_head)
-        restored = ppo_update.load_optimizer_state(optimizer, model, value_head, store.policy_dir(policy_version))
-    with peak_memory() as memory:  # this stage's own peak (resident set; CUDA allocator)
-        metrics = ppo_update.ppo_update(
-            model,
-            turns,
-            config=config.ppo,
-            temperature=config.generation.temperature,
-            pad_token_id=tokenizer.pad_token_id,
-            seed=config.seed + iteration,
-            value_head=value_head,
-            optimizer=optimizer,
-        )
-    if config.ppo.lora_rank > 0:
-        model = model.merge_and_unload()  # the next policy is a plain checkpoint
-
-    def save(tmp: Path) -> dict[str, Any]:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if value_head is not None:
-            value_head.save(tmp)
-        if optimizer is not None:
-            ppo_update.save_optimizer_state(optimizer, model, value_head, tmp)
-        return {}
-
-    store.write(
-        POLICY,
-        next_policy,
-        save,
-        {
-            "parents": {"ppo-update": version},
-            "code_version": POLICY_CODE_VERSION,
-            "iteration": iteration,
-        },
-    )
-    dataset = dataset_from_rows(metrics, PPO_UPDATE)
-    return dataset, {
-        "metrics": ppo_update.metrics_summary(metrics),
+    policy_manifest = {"parents": {"ppo-update": version}, "code_version": POLICY_CODE_VERSION, "iteration": iteration}
+    store.write(POLICY, next_policy, trained.save, policy_manifest)
+    return dataset_from_rows(trained.metrics, PPO_UPDATE), {
+        "metrics": ppo_update.metrics_summary(trained.metrics),
         "audit": report.as_dict(),
         "memory": memory,
-        "optimizer_state_restored": restored,  # parameters whose AdamW state continued (0: fresh)
+        "optimizer_state_restored": trained.optimizer_state_restored,
         "policy": next_policy,
     }
 

@@ -1,19 +1,13 @@
-"""Loading policies: the embedded tiny model, any local HF causal-LM directory, or a hub id."""
+"""Where the starting policy comes from: the embedded tiny model, a local HF causal-LM directory,
+or a hub id (loading it is stages/policy.py's)."""
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
-from typing import Any
 
-import torch
+from stages.policy import ModelError
 
 EMBEDDED_POLICY = Path(__file__).resolve().parent / "embedded" / "policy"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelError(ValueError):
-    """A model path that cannot be used as a policy, with the reason."""
 
 
 def resolve_model_dir(path: str | None) -> Path:
@@ -35,40 +29,3 @@ def resolve_model_dir(path: str | None) -> Path:
     if not any((local / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         raise ModelError(f"--model {local}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
     return local.resolve()
-
-
-def pick_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ModelError("model.device is 'cuda' but no CUDA device is available")
-    return torch.device(device)
-
-
-@functools.lru_cache(maxsize=4)
-def load_tokenizer(model_dir: str | Path) -> Any:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if not tokenizer.chat_template:
-        raise ModelError(f"{model_dir}: the tokenizer has no chat template; multi-turn rollouts need one")
-    if tokenizer.eos_token is None:
-        raise ModelError(f"{model_dir}: the tokenizer has no EOS token")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "auto") -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype])
-    return model.to(pick_device(device)).eval()
-
-
-def eos_token_ids(tokenizer: Any, model: torch.nn.Module) -> list[int]:
-    """Tokens that end an assistant turn: the tokenizer's EOS plus the model's generation EOS."""
-    ids = {tokenizer.eos_token_id}
-    configured = getattr(model.generation_config, "eos_token_id", None)
-    ids.update(configured if isinstance(configured, list) else [configured] if configured is not None else [])
-    return sorted(i for i in ids if i is not None)

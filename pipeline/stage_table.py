@@ -63,7 +63,7 @@ def source_version(*paths: str | Path) -> str:
 
 
 def _device(config: RunConfig) -> str:
-    from pipeline.models import pick_device  # imports torch: only when a version is computed
+    from stages.policy import pick_device  # imports torch: only when a version is computed
 
     return pick_device(config.model.device).type
 
@@ -89,7 +89,7 @@ STAGES: dict[str, Stage] = {
             features=features.GENERATE_ROLLOUTS,
             config=("generation", "task", "seed", "model.dtype"),
             derived=("device", "environment_code"),
-            code=("stages/generate_rollouts.py",),
+            code=("stages/generate_rollouts.py", "stages/policy.py"),
         ),
         Stage(
             name="execute-tools",
@@ -120,7 +120,7 @@ STAGES: dict[str, Stage] = {
             features=features.COMPUTE_ADVANTAGES,
             config=("advantage", "ppo.kl_coef", "ppo.kl_estimator", "ppo.kl_in", "generation.temperature"),
             derived=("device",),
-            code=("stages/compute_advantages.py",),
+            code=("stages/compute_advantages.py", "stages/policy.py"),
             rerun_from="assign-rewards",
         ),
         Stage(
@@ -130,7 +130,7 @@ STAGES: dict[str, Stage] = {
             features=features.PPO_UPDATE,
             config=("ppo", "seed", "generation.temperature"),
             derived=("device",),
-            code=("stages/ppo_update.py",),
+            code=("stages/ppo_update.py", "stages/policy.py"),
             rerun_from="compute-advantages",
         ),
     )

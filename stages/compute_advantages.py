@@ -22,12 +22,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import datasets
 import numpy as np
+import torch
 
-from schemas.config import AdvantageConfig
+from schemas.config import AdvantageConfig, PPOConfig
 from schemas.features import COMPUTE_ADVANTAGES
+from stages.policy import ValueHead, kl_estimate, load_model, load_tokenizer, score_rollouts
 
 
 @dataclass
@@ -186,8 +190,8 @@ def compute_advantages(
     """Add advantages, returns, values and ref_logprobs (one float32 per completion token).
 
     `values` (critic values) and `kl_penalty` (kl_coef * KL per token, subtracted from the
-    rewards) are row-aligned with `turns`; the pipeline computes them with the policy and the
-    reference model before calling this pure function.
+    rewards) are row-aligned with `turns`; score_with_policies computes them with the policy
+    and the reference model before this pure function runs.
     """
     estimator = get_estimator(config.estimator)
     columns = turns.select_columns(
@@ -243,3 +247,61 @@ def compute_advantages(
     ):
         turns = turns.add_column(name, column, feature=COMPUTE_ADVANTAGES[name])
     return turns
+
+
+# ---------------------------------------------------------------------------------------
+# Scoring with the critic and the reference policy (before the estimator runs)
+# ---------------------------------------------------------------------------------------
+
+
+def kl_penalty(
+    generation_logprobs: list[list[float]], ref_logprobs: list[list[float]], kl_coef: float, estimator: str
+) -> list[list[float]]:
+    """kl_coef * KL(policy || reference) per completion token (ppo.kl_in = "reward"): subtracted
+    from the token rewards, so the estimator sees a reward that pays for drifting away."""
+    return [
+        (kl_coef * kl_estimate(torch.tensor(generated), torch.tensor(reference), estimator)).tolist()
+        for generated, reference in zip(generation_logprobs, ref_logprobs)
+    ]
+
+
+def score_with_policies(
+    turns: datasets.Dataset,
+    *,
+    critic_dir: str | Path | None,
+    reference_dir: str | Path | None,
+    ppo: PPOConfig,
+    temperature: float,
+    device: str,
+) -> dict[str, Any]:
+    """The keyword inputs of compute_advantages: the critic's values (from the value head saved
+    beside the generating policy, `critic_dir`) and the reference policy's logprobs, with the KL
+    penalty when it goes into the reward. None where the config does not use them."""
+
+    def score(policy_dir: str | Path, with_value_head: bool) -> tuple[list[list[float]], list[list[float]]]:
+        model = load_model(policy_dir, "float32", device)
+        return score_rollouts(
+            model,
+            turns,
+            temperature=temperature,
+            pad_token_id=load_tokenizer(str(policy_dir)).pad_token_id,
+            chunk_tokens=ppo.logprob_chunk_tokens,
+            batch_rollouts=ppo.micro_batch_rollouts,
+            value_head=ValueHead.load(policy_dir, model.config.hidden_size) if with_value_head else None,
+        )
+
+    values = score(critic_dir, with_value_head=True)[1] if critic_dir is not None else None
+    ref_logprobs = score(reference_dir, with_value_head=False)[0] if reference_dir is not None else None
+    penalty = None
+    if ref_logprobs is not None and ppo.kl_in == "reward":
+        penalty = kl_penalty(turns["completion_logprobs"], ref_logprobs, ppo.kl_coef, ppo.kl_estimator)
+    return {"values": values, "ref_logprobs": ref_logprobs, "kl_penalty": penalty}
+
+
+def advantage_metrics(turns: datasets.Dataset) -> dict[str, float]:
+    """Mean and mean absolute advantage over all completion tokens (for the manifest)."""
+    per_token = np.concatenate([np.asarray(a, dtype=np.float32) for a in turns["advantages"]] or [np.zeros(0)])
+    return {
+        "advantage_mean": float(per_token.mean()) if per_token.size else 0.0,
+        "advantage_abs_mean": float(np.abs(per_token).mean()) if per_token.size else 0.0,
+    }

@@ -2,13 +2,15 @@
 objective on the tokens the policy sampled; write one metrics row per optimiser step.
 
 Read top to bottom:
-  1. pure functions: logprobs over a chunked vocabulary, the policy loss (clip-higher, dual
-     clip), KL estimators, the value loss, loss aggregation modes;
+  1. pure functions: the policy loss (clip-higher, dual clip), the value loss, the truncated
+     importance-sampling weight, the per-token loss, loss aggregation modes;
   2. batching: one training sequence per rollout (its whole token stream; the loss covers
      completion tokens only, never prompts, observations or generation prompts), padded
      rows or packed into a token budget;
-  3. the optimisation loop: epochs x shuffled mini-batches x gradient-accumulated micro-batches.
+  3. the optimisation loop: epochs x shuffled mini-batches x gradient-accumulated micro-batches;
+  4. train_policy: the stage, from a stored policy to the next one.
 
+Loading, scoring (logprobs, values, KL estimators) and saving a policy are stages/policy.py's.
 Convention: logprob = log_softmax(logits / temperature)[token], as at generation time.
 """
 
@@ -16,52 +18,32 @@ from __future__ import annotations
 
 import random
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import datasets
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
-from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
 from schemas.config import PPOConfig
+from stages.policy import (
+    Sequence,
+    ValueHead,
+    collate,
+    forward_targets,
+    kl_estimate,
+    load_model,
+    load_optimizer_state,
+    load_tokenizer,
+    rollout_sequences,
+    save_policy,
+)
 
 # ---------------------------------------------------------------------------------------
 # 1. Pure functions
 # ---------------------------------------------------------------------------------------
-
-
-def _chunk_logprobs_entropy(
-    hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = lm_head(hidden).float() / temperature
-    log_norm = torch.logsumexp(logits, dim=-1)
-    logprobs = logits.gather(-1, targets[:, None])[:, 0] - log_norm
-    entropy = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logprobs, entropy
-
-
-def token_logprobs(
-    hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, temperature: float, chunk_tokens: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprob and entropy of each target token from the hidden states that predict it.
-
-    The vocabulary projection runs over chunks of tokens under activation checkpointing, so
-    a full [tokens, vocab] fp32 tensor never exists for the whole batch, forward or backward.
-    """
-    logprobs, entropies = [], []
-    for start in range(0, hidden.shape[0], chunk_tokens):
-        h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
-        if torch.is_grad_enabled() and h.requires_grad:
-            lp, ent = checkpoint(_chunk_logprobs_entropy, h, lm_head, t, temperature, use_reentrant=False)
-        else:
-            lp, ent = _chunk_logprobs_entropy(h, lm_head, t, temperature)
-        logprobs.append(lp)
-        entropies.append(ent)
-    return torch.cat(logprobs), torch.cat(entropies)
 
 
 def policy_loss(
@@ -85,19 +67,6 @@ def policy_loss(
         was_clipped = was_clipped | ((advantages < 0) & (dual < loss))
         loss = torch.where(advantages < 0, dual, loss)
     return loss, was_clipped
-
-
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(policy || reference) from the sampled tokens' logprobs:
-    k1 = log r, k2 = (log r)^2 / 2, k3 = (1/r - 1) + log r, with r = pi / pi_ref."""
-    log_ratio = logprobs - ref_logprobs
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    if estimator == "k3":  # low variance, always >= 0 (Schulman); clamped as in verl
-        return (torch.exp(-log_ratio) - 1.0 + log_ratio).clamp(max=10.0)
-    raise ValueError(f"unknown KL estimator '{estimator}'; valid: k1, k2, k3")
 
 
 def value_loss(
@@ -175,52 +144,6 @@ def aggregate(
 # ---------------------------------------------------------------------------------------
 
 
-@dataclass
-class Sequence:
-    rows: list[int] = field(default_factory=list)  # dataset rows of its turns, in turn order
-    token_ids: list[int] = field(default_factory=list)
-    target_positions: list[int] = field(default_factory=list)  # sampled tokens in token_ids
-    generation_logprobs: list[float] = field(default_factory=list)
-    advantages: list[float] = field(default_factory=list)
-    returns: list[float] = field(default_factory=list)
-    old_values: list[float] = field(default_factory=list)
-    ref_logprobs: list[float] = field(default_factory=list)
-    old_logprobs: list[float] = field(default_factory=list)  # filled before training
-
-
-OPTIONAL_COLUMNS = ("advantages", "returns", "values", "ref_logprobs")
-
-
-def rollout_sequences(turns: datasets.Dataset, include_failed: bool = False) -> list[Sequence]:
-    """One training sequence per rollout, in rollout order (failed rollouts left out)."""
-    names = ["rollout_id", "turn", "failed", "context_token_ids", "completion_token_ids", "completion_logprobs"]
-    columns = turns.select_columns(names + [c for c in OPTIONAL_COLUMNS if c in turns.column_names]).to_dict()
-    order = sorted(range(len(columns["turn"])), key=lambda i: (columns["rollout_id"][i], columns["turn"][i]))
-    observation = turns.select_columns(["observation_token_ids"])["observation_token_ids"]
-    sequences: dict[int, Sequence] = {}
-    failed: set[int] = set()
-    for i in order:
-        rollout_id = columns["rollout_id"][i]
-        if columns["failed"][i]:
-            failed.add(rollout_id)
-        seq = sequences.setdefault(rollout_id, Sequence())
-        seq.rows.append(i)
-        seq.token_ids += columns["context_token_ids"][i]
-        start = len(seq.token_ids)
-        seq.token_ids += columns["completion_token_ids"][i]
-        seq.target_positions += range(start, len(seq.token_ids))
-        seq.generation_logprobs += columns["completion_logprobs"][i]
-        for name, target in (("advantages", seq.advantages), ("returns", seq.returns)):
-            if name in columns:
-                target += columns[name][i]
-        if columns.get("values") and columns["values"][i]:
-            seq.old_values += columns["values"][i]
-        if columns.get("ref_logprobs") and columns["ref_logprobs"][i]:
-            seq.ref_logprobs += columns["ref_logprobs"][i]
-        seq.token_ids += observation[i]
-    return [seq for rid, seq in sorted(sequences.items()) if include_failed or rid not in failed]
-
-
 def micro_batches(sequences: list[Sequence], rollouts: int, max_tokens: int) -> list[list[Sequence]]:
     """Split sequences into forward/backward passes: `rollouts` at a time, or, with
     max_tokens > 0, first-fit-decreasing bins of at most max_tokens tokens (a longer rollout
@@ -241,153 +164,9 @@ def micro_batches(sequences: list[Sequence], rollouts: int, max_tokens: int) -> 
     return bins
 
 
-def collate(
-    batch: list[Sequence], pad_token_id: int, device: torch.device, packed: bool = False
-) -> dict[str, torch.Tensor]:
-    """Token ids plus flat per-target-token tensors (and which sequence each is from).
-
-    Padded: one right-padded row per sequence, with an attention mask. Packed: all sequences
-    in one row, no padding, position ids restarting at 0 for each; transformers then builds
-    a block-diagonal causal mask from the position ids, so a sequence never attends to
-    another one and its logprobs equal the padded ones."""
-    starts = [0] * len(batch)
-    if packed:
-        for b in range(1, len(batch)):
-            starts[b] = starts[b - 1] + len(batch[b - 1].token_ids)
-        input_ids = torch.tensor([[t for s in batch for t in s.token_ids]], dtype=torch.long)
-        position_ids = torch.tensor([[p for s in batch for p in range(len(s.token_ids))]], dtype=torch.long)
-    else:
-        width = max(len(s.token_ids) for s in batch)
-        input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for b, seq in enumerate(batch):
-            input_ids[b, : len(seq.token_ids)] = torch.tensor(seq.token_ids)
-            attention_mask[b, : len(seq.token_ids)] = 1
-    sequence_index, rows, positions = [], [], []
-    for b, seq in enumerate(batch):
-        sequence_index += [b] * len(seq.target_positions)
-        rows += [0 if packed else b] * len(seq.target_positions)
-        positions += [starts[b] + p for p in seq.target_positions]
-    rows_t, positions_t = torch.tensor(rows, dtype=torch.long), torch.tensor(positions, dtype=torch.long)
-
-    def flat(name: str) -> torch.Tensor:
-        return torch.tensor([x for s in batch for x in getattr(s, name)], dtype=torch.float32, device=device)
-
-    out = {
-        "input_ids": input_ids.to(device),
-        "sequence_index": torch.tensor(sequence_index, dtype=torch.long, device=device),
-        "rows": rows_t.to(device),
-        "positions": positions_t.to(device),
-        "targets": input_ids[rows_t, positions_t].to(device),
-    }
-    if packed:
-        out["position_ids"] = position_ids.to(device)
-    else:
-        out["attention_mask"] = attention_mask.to(device)
-    for name in ("generation_logprobs", "old_logprobs", "advantages", "returns", "old_values", "ref_logprobs"):
-        if all(len(getattr(s, name)) == len(s.target_positions) for s in batch):
-            out[name] = flat(name)
-    return out
-
-
-class ValueHead(torch.nn.Module):
-    """V(s_t) from the policy's last hidden state: one linear layer on the policy's features.
-
-    The features are detached (see forward_targets): the value loss trains the head only,
-    never the policy. With the gradient shared, the critic's early, large value loss
-    (V = 0 against returns near 1) outweighed the policy gradient in the backbone and the
-    policy collapsed within five iterations on guess-number; TRL, verl and OpenRLHF keep
-    critic gradients out of the policy too (with a separate critic model)."""
-
-    FILE = "value_head.safetensors"
-
-    def __init__(self, hidden_size: int):
-        super().__init__()
-        self.linear = torch.nn.Linear(hidden_size, 1)
-        torch.nn.init.zeros_(self.linear.weight)
-        torch.nn.init.zeros_(self.linear.bias)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.linear(hidden.float())[..., 0]
-
-    @classmethod
-    def load(cls, policy_dir: str | Path, hidden_size: int) -> ValueHead:
-        """The value head saved beside a policy, or a zero-initialised one (V = 0)."""
-        head = cls(hidden_size)
-        path = Path(policy_dir) / cls.FILE
-        if path.is_file():
-            head.load_state_dict(load_file(path))
-        return head
-
-    def save(self, policy_dir: str | Path) -> None:
-        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, Path(policy_dir) / self.FILE)
-
-
-def forward_targets(
-    model: torch.nn.Module,
-    batch: dict[str, torch.Tensor],
-    temperature: float,
-    chunk_tokens: int,
-    value_head: ValueHead | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Logprobs, entropies and (with a value head) values of the batch's target tokens."""
-    hidden = model.get_decoder()(
-        input_ids=batch["input_ids"],
-        attention_mask=batch.get("attention_mask"),
-        position_ids=batch.get("position_ids"),
-        use_cache=False,
-    ).last_hidden_state
-    # The token at position p is predicted by (and its state is) the hidden state at p - 1.
-    predicting = hidden[batch["rows"], batch["positions"] - 1]
-    logprobs, entropy = token_logprobs(
-        predicting, model.get_output_embeddings(), batch["targets"], temperature, chunk_tokens
-    )
-    values = value_head(predicting.detach()) if value_head is not None else None  # the critic never moves the policy
-    return logprobs, entropy, values
-
-
-@torch.no_grad()
-def score_rollouts(
-    model: torch.nn.Module,
-    turns: datasets.Dataset,
-    *,
-    temperature: float,
-    pad_token_id: int,
-    chunk_tokens: int,
-    batch_rollouts: int,
-    value_head: ValueHead | None = None,
-) -> tuple[list[list[float]], list[list[float]]]:
-    """Per dataset row: logprobs of its completion tokens under `model` (and values, with a
-    value head). Used for reference-model logprobs and critic values."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    logprobs_of: list[list[float]] = [[] for _ in range(len(turns))]
-    values_of: list[list[float]] = [[] for _ in range(len(turns))]
-    lengths = [len(t) for t in turns["completion_token_ids"]]
-    sequences = rollout_sequences(turns, include_failed=True)
-    for start in range(0, len(sequences), batch_rollouts):
-        chunk = sequences[start : start + batch_rollouts]
-        logprobs, _, values = forward_targets(
-            model, collate(chunk, pad_token_id, device), temperature, chunk_tokens, value_head
-        )
-        offset = 0
-        for seq in chunk:
-            for row in seq.rows:
-                logprobs_of[row] = logprobs[offset : offset + lengths[row]].tolist()
-                if values is not None:
-                    values_of[row] = values[offset : offset + lengths[row]].tolist()
-                offset += lengths[row]
-    model.train(was_training)
-    return logprobs_of, values_of
-
-
 # ---------------------------------------------------------------------------------------
 # 3. The optimisation loop
 # ---------------------------------------------------------------------------------------
-
-
-OPTIMIZER_FILE = "optimizer.safetensors"
 
 
 def build_optimizer(
@@ -398,54 +177,6 @@ def build_optimizer(
     if value_head is not None:
         groups.append({"params": list(value_head.parameters())})
     return torch.optim.AdamW(groups, lr=config.learning_rate, weight_decay=config.weight_decay)
-
-
-def _named_trainable(model: torch.nn.Module, value_head: ValueHead | None) -> dict[str, torch.nn.Parameter]:
-    named = {f"policy.{n}": p for n, p in model.named_parameters() if p.requires_grad}
-    if value_head is not None:
-        named |= {f"critic.{n}": p for n, p in value_head.named_parameters()}
-    return named
-
-
-def save_optimizer_state(
-    optimizer: torch.optim.Optimizer, model: torch.nn.Module, value_head: ValueHead | None, directory: str | Path
-) -> None:
-    """Adam's moments and step count per named parameter, as safetensors beside the policy
-    (never pickle), so the next iteration's update continues the same optimiser."""
-    tensors = {}
-    for name, param in _named_trainable(model, value_head).items():
-        for key, value in optimizer.state.get(param, {}).items():  # step, exp_avg, exp_avg_sq
-            tensors[f"{name}/{key}"] = value.detach().cpu().contiguous()
-    save_file(tensors, Path(directory) / OPTIMIZER_FILE)
-
-
-def load_optimizer_state(
-    optimizer: torch.optim.Optimizer, model: torch.nn.Module, value_head: ValueHead | None, directory: str | Path
-) -> int:
-    """Restore what save_optimizer_state wrote beside a policy; returns how many parameters
-    got their state back (0 without a file: a fresh optimiser). A parameter without saved
-    state (a critic added later) starts fresh; a shape that does not match is an error."""
-    path = Path(directory) / OPTIMIZER_FILE
-    if not path.is_file():
-        return 0
-    saved: dict[str, dict[str, torch.Tensor]] = {}  # parameter name -> {step, exp_avg, exp_avg_sq}
-    for key, value in load_file(path).items():
-        name, _, field = key.rpartition("/")
-        saved.setdefault(name, {})[field] = value
-    restored = 0
-    for name, param in _named_trainable(model, value_head).items():
-        state = saved.get(name)
-        if not state:
-            continue
-        for key, value in state.items():
-            if key != "step" and value.shape != param.shape:
-                raise ValueError(
-                    f"{path}: state '{name}/{key}' has shape {tuple(value.shape)}, not {tuple(param.shape)}"
-                )
-        # Adam keeps `step` on the CPU (non-capturable); the moments live with the parameter.
-        optimizer.state[param] = {k: v if k == "step" else v.to(param.device, param.dtype) for k, v in state.items()}
-        restored += 1
-    return restored
 
 
 def _autocast(device: torch.device, mode: str):
@@ -576,3 +307,66 @@ def metrics_summary(metrics: list[dict[str, Any]]) -> dict[str, float]:
         return {}
     names = [name for name in metrics[0] if name not in ("epoch", "step")]
     return {name: float(np.mean([m.get(name, np.nan) for m in metrics])) for name in names}
+
+
+# ---------------------------------------------------------------------------------------
+# 4. The stage
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainedPolicy:
+    model: torch.nn.Module
+    tokenizer: Any
+    value_head: ValueHead | None
+    optimizer: torch.optim.Optimizer | None
+    metrics: list[dict[str, float]]  # one row per optimiser step
+    optimizer_state_restored: int  # parameters whose AdamW state continued (0: a fresh optimiser)
+
+    def save(self, directory: Path) -> dict[str, Any]:
+        save_policy(directory, self.model, self.tokenizer, self.value_head, self.optimizer)
+        return {}
+
+
+def train_policy(
+    turns: datasets.Dataset,
+    policy_dir: str | Path,
+    *,
+    config: PPOConfig,
+    train_critic: bool,
+    temperature: float,
+    seed: int,
+    device: str,
+) -> TrainedPolicy:
+    """ppo-update: load the policy that generated `turns` (the compute-advantages rows) with its
+    value head and AdamW state, optimise it on them, and return it ready to save.
+
+    Full fine-tuning continues the previous iteration's AdamW (its state is saved beside the
+    policy). With ppo.lora_rank > 0 fresh adapters are trained and merged afterwards, so the
+    next policy is a plain checkpoint (and there is no optimiser to continue)."""
+    model, tokenizer = load_model(policy_dir, "float32", device), load_tokenizer(str(policy_dir))
+    value_head = None
+    if train_critic:
+        value_head = ValueHead.load(policy_dir, model.config.hidden_size).to(model.device)
+    optimizer, restored = None, 0
+    if config.lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules="all-linear")
+        model = get_peft_model(model, lora)
+    else:
+        optimizer = build_optimizer(model, config, value_head)
+        restored = load_optimizer_state(optimizer, model, value_head, policy_dir)
+    metrics = ppo_update(
+        model,
+        turns,
+        config=config,
+        temperature=temperature,
+        pad_token_id=tokenizer.pad_token_id,
+        seed=seed,
+        value_head=value_head,
+        optimizer=optimizer,
+    )
+    if config.lora_rank > 0:
+        model = model.merge_and_unload()
+    return TrainedPolicy(model, tokenizer, value_head, optimizer, metrics, restored)

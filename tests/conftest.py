@@ -33,7 +33,8 @@ def prefect_server():
 @pytest.fixture(scope="session")
 def tiny():
     """The embedded policy: (model, tokenizer), fp32 on CPU."""
-    from pipeline.models import EMBEDDED_POLICY, load_model, load_tokenizer
+    from pipeline.models import EMBEDDED_POLICY
+    from stages.policy import load_model, load_tokenizer
 
     return load_model(EMBEDDED_POLICY, "float32", "cpu"), load_tokenizer(EMBEDDED_POLICY)
 

@@ -14,8 +14,8 @@ pytestmark = pytest.mark.usefixtures("prefect_server")
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     from pipeline.flows import rl_training
-    from pipeline.models import load_tokenizer
     from schemas.config import RunConfig
+    from stages.policy import load_tokenizer
 
     config = RunConfig(
         iterations=1,

@@ -10,13 +10,13 @@ import re
 import pytest
 
 from pipeline.episodes import rollout_metrics, rollout_starts, run_episodes, task_turn_limits
-from pipeline.models import eos_token_ids
 from schemas.config import RewardConfig, RunConfig, TaskConfig
 from schemas.features import ASSIGN_REWARDS, EXECUTE_TOOLS, dataset_from_rows
 from schemas.token_stream import prompt_token_ids
 from stages.assign_rewards import ENVIRONMENTS, CalculatorEnv, GuessNumberEnv, WeatherEnv, assign_rewards
 from stages.execute_tools import TOOLS, ToolCall, run_tool_calls, tool_schema
 from stages.generate_rollouts import Engine
+from stages.policy import eos_token_ids
 
 
 def guess(number: int) -> dict:

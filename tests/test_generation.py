@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from pipeline.episodes import run_episodes
-from pipeline.models import eos_token_ids
 from schemas.config import RunConfig
 from stages.generate_rollouts import Engine, Request, filter_logits, sampling_seed, split_thinking
+from stages.policy import eos_token_ids
 
 
 class ColdEngine(Engine):

@@ -9,25 +9,27 @@ import pytest
 import torch
 
 from pipeline.episodes import run_episodes
-from pipeline.models import eos_token_ids
 from schemas.config import PPOConfig, RunConfig
 from schemas.features import COMPUTE_ADVANTAGES
 from stages.generate_rollouts import Engine
-from stages.ppo_update import (
+from stages.policy import (
     ValueHead,
-    aggregate,
-    build_optimizer,
     collate,
+    eos_token_ids,
     forward_targets,
     kl_estimate,
     load_optimizer_state,
-    micro_batches,
-    policy_loss,
-    ppo_update,
     rollout_sequences,
     save_optimizer_state,
     score_rollouts,
     token_logprobs,
+)
+from stages.ppo_update import (
+    aggregate,
+    build_optimizer,
+    micro_batches,
+    policy_loss,
+    ppo_update,
     token_loss,
     value_loss,
 )

@@ -168,9 +168,9 @@ def evaluate(
     well-formed first call, first call computing the answer, correct final answer;
     guess-number: solved within 50 turns, mean turns to solve; weather: correct answer."""
     from pipeline.episodes import rollout_metrics, run_episodes, task_turn_limits
-    from pipeline.models import eos_token_ids
     from schemas.config import RunConfig
     from stages.generate_rollouts import Engine
+    from stages.policy import eos_token_ids
 
     engine = Engine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model))
     results: dict[str, float] = {}

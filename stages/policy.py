@@ -1,0 +1,379 @@
+"""The policy as the stages use it: load it, score tokens with it, save it.
+
+  1. loading: the tokenizer (it must have a chat template), the model, its EOS tokens, the device;
+  2. scoring: one sequence per rollout (its whole token stream), the logprobs, entropies and
+     critic values of its completion tokens (the vocabulary projection chunked), KL estimators;
+  3. saving: a checkpoint with its value head and AdamW state (safetensors, never pickle).
+
+generate-rollouts, compute-advantages (critic values, reference logprobs), ppo-update and the
+audit (re-scoring) all score through score_rollouts / forward_targets, so they agree on
+    logprob = log_softmax(logits / temperature)[token]
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from safetensors.torch import load_file, save_file
+from torch.utils.checkpoint import checkpoint
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelError(ValueError):
+    """A model path that cannot be used as a policy, with the reason."""
+
+
+# ---------------------------------------------------------------------------------------
+# 1. Loading
+# ---------------------------------------------------------------------------------------
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelError("model.device is 'cuda' but no CUDA device is available")
+    return torch.device(device)
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(model_dir: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if not tokenizer.chat_template:
+        raise ModelError(f"{model_dir}: the tokenizer has no chat template; multi-turn rollouts need one")
+    if tokenizer.eos_token is None:
+        raise ModelError(f"{model_dir}: the tokenizer has no EOS token")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "auto") -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype])
+    return model.to(pick_device(device)).eval()
+
+
+def eos_token_ids(tokenizer: Any, model: torch.nn.Module) -> list[int]:
+    """Tokens that end an assistant turn: the tokenizer's EOS plus the model's generation EOS."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured] if configured is not None else [])
+    return sorted(i for i in ids if i is not None)
+
+
+class ValueHead(torch.nn.Module):
+    """V(s_t) from the policy's last hidden state: one linear layer on the policy's features.
+
+    The features are detached (see forward_targets): the value loss trains the head only,
+    never the policy. With the gradient shared, the critic's early, large value loss
+    (V = 0 against returns near 1) outweighed the policy gradient in the backbone and the
+    policy collapsed within five iterations on guess-number; TRL, verl and OpenRLHF keep
+    critic gradients out of the policy too (with a separate critic model)."""
+
+    FILE = "value_head.safetensors"
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.zeros_(self.linear.weight)
+        torch.nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.linear(hidden.float())[..., 0]
+
+    @classmethod
+    def load(cls, policy_dir: str | Path, hidden_size: int) -> ValueHead:
+        """The value head saved beside a policy, or a zero-initialised one (V = 0)."""
+        head = cls(hidden_size)
+        path = Path(policy_dir) / cls.FILE
+        if path.is_file():
+            head.load_state_dict(load_file(path))
+        return head
+
+    def save(self, policy_dir: str | Path) -> None:
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, Path(policy_dir) / self.FILE)
+
+
+# ---------------------------------------------------------------------------------------
+# 2. Scoring
+# ---------------------------------------------------------------------------------------
+
+
+def _chunk_logprobs_entropy(
+    hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = lm_head(hidden).float() / temperature
+    log_norm = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, targets[:, None])[:, 0] - log_norm
+    entropy = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logprobs, entropy
+
+
+def token_logprobs(
+    hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, temperature: float, chunk_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob and entropy of each target token from the hidden states that predict it.
+
+    The vocabulary projection runs over chunks of tokens under activation checkpointing, so
+    a full [tokens, vocab] fp32 tensor never exists for the whole batch, forward or backward.
+    """
+    logprobs, entropies = [], []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+        if torch.is_grad_enabled() and h.requires_grad:
+            lp, ent = checkpoint(_chunk_logprobs_entropy, h, lm_head, t, temperature, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs_entropy(h, lm_head, t, temperature)
+        logprobs.append(lp)
+        entropies.append(ent)
+    return torch.cat(logprobs), torch.cat(entropies)
+
+
+@dataclass
+class Sequence:
+    rows: list[int] = field(default_factory=list)  # dataset rows of its turns, in turn order
+    token_ids: list[int] = field(default_factory=list)
+    target_positions: list[int] = field(default_factory=list)  # sampled tokens in token_ids
+    generation_logprobs: list[float] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)
+    returns: list[float] = field(default_factory=list)
+    old_values: list[float] = field(default_factory=list)
+    ref_logprobs: list[float] = field(default_factory=list)
+    old_logprobs: list[float] = field(default_factory=list)  # filled before training
+
+
+OPTIONAL_COLUMNS = ("advantages", "returns", "values", "ref_logprobs")
+
+
+def rollout_sequences(turns: datasets.Dataset, include_failed: bool = False) -> list[Sequence]:
+    """One training sequence per rollout, in rollout order (failed rollouts left out)."""
+    names = ["rollout_id", "turn", "failed", "context_token_ids", "completion_token_ids", "completion_logprobs"]
+    columns = turns.select_columns(names + [c for c in OPTIONAL_COLUMNS if c in turns.column_names]).to_dict()
+    order = sorted(range(len(columns["turn"])), key=lambda i: (columns["rollout_id"][i], columns["turn"][i]))
+    observation = turns.select_columns(["observation_token_ids"])["observation_token_ids"]
+    sequences: dict[int, Sequence] = {}
+    failed: set[int] = set()
+    for i in order:
+        rollout_id = columns["rollout_id"][i]
+        if columns["failed"][i]:
+            failed.add(rollout_id)
+        seq = sequences.setdefault(rollout_id, Sequence())
+        seq.rows.append(i)
+        seq.token_ids += columns["context_token_ids"][i]
+        start = len(seq.token_ids)
+        seq.token_ids += columns["completion_token_ids"][i]
+        seq.target_positions += range(start, len(seq.token_ids))
+        seq.generation_logprobs += columns["completion_logprobs"][i]
+        for name, target in (("advantages", seq.advantages), ("returns", seq.returns)):
+            if name in columns:
+                target += columns[name][i]
+        if columns.get("values") and columns["values"][i]:
+            seq.old_values += columns["values"][i]
+        if columns.get("ref_logprobs") and columns["ref_logprobs"][i]:
+            seq.ref_logprobs += columns["ref_logprobs"][i]
+        seq.token_ids += observation[i]
+    return [seq for rid, seq in sorted(sequences.items()) if include_failed or rid not in failed]
+
+
+def collate(
+    batch: list[Sequence], pad_token_id: int, device: torch.device, packed: bool = False
+) -> dict[str, torch.Tensor]:
+    """Token ids plus flat per-target-token tensors (and which sequence each is from).
+
+    Padded: one right-padded row per sequence, with an attention mask. Packed: all sequences
+    in one row, no padding, position ids restarting at 0 for each; transformers then builds
+    a block-diagonal causal mask from the position ids, so a sequence never attends to
+    another one and its logprobs equal the padded ones."""
+    starts = [0] * len(batch)
+    if packed:
+        for b in range(1, len(batch)):
+            starts[b] = starts[b - 1] + len(batch[b - 1].token_ids)
+        input_ids = torch.tensor([[t for s in batch for t in s.token_ids]], dtype=torch.long)
+        position_ids = torch.tensor([[p for s in batch for p in range(len(s.token_ids))]], dtype=torch.long)
+    else:
+        width = max(len(s.token_ids) for s in batch)
+        input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for b, seq in enumerate(batch):
+            input_ids[b, : len(seq.token_ids)] = torch.tensor(seq.token_ids)
+            attention_mask[b, : len(seq.token_ids)] = 1
+    sequence_index, rows, positions = [], [], []
+    for b, seq in enumerate(batch):
+        sequence_index += [b] * len(seq.target_positions)
+        rows += [0 if packed else b] * len(seq.target_positions)
+        positions += [starts[b] + p for p in seq.target_positions]
+    rows_t, positions_t = torch.tensor(rows, dtype=torch.long), torch.tensor(positions, dtype=torch.long)
+
+    def flat(name: str) -> torch.Tensor:
+        return torch.tensor([x for s in batch for x in getattr(s, name)], dtype=torch.float32, device=device)
+
+    out = {
+        "input_ids": input_ids.to(device),
+        "sequence_index": torch.tensor(sequence_index, dtype=torch.long, device=device),
+        "rows": rows_t.to(device),
+        "positions": positions_t.to(device),
+        "targets": input_ids[rows_t, positions_t].to(device),
+    }
+    if packed:
+        out["position_ids"] = position_ids.to(device)
+    else:
+        out["attention_mask"] = attention_mask.to(device)
+    for name in ("generation_logprobs", "old_logprobs", "advantages", "returns", "old_values", "ref_logprobs"):
+        if all(len(getattr(s, name)) == len(s.target_positions) for s in batch):
+            out[name] = flat(name)
+    return out
+
+
+def forward_targets(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    temperature: float,
+    chunk_tokens: int,
+    value_head: ValueHead | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Logprobs, entropies and (with a value head) values of the batch's target tokens."""
+    hidden = model.get_decoder()(
+        input_ids=batch["input_ids"],
+        attention_mask=batch.get("attention_mask"),
+        position_ids=batch.get("position_ids"),
+        use_cache=False,
+    ).last_hidden_state
+    # The token at position p is predicted by (and its state is) the hidden state at p - 1.
+    predicting = hidden[batch["rows"], batch["positions"] - 1]
+    logprobs, entropy = token_logprobs(
+        predicting, model.get_output_embeddings(), batch["targets"], temperature, chunk_tokens
+    )
+    values = value_head(predicting.detach()) if value_head is not None else None  # the critic never moves the policy
+    return logprobs, entropy, values
+
+
+@torch.no_grad()
+def score_rollouts(
+    model: torch.nn.Module,
+    turns: datasets.Dataset,
+    *,
+    temperature: float,
+    pad_token_id: int,
+    chunk_tokens: int,
+    batch_rollouts: int,
+    value_head: ValueHead | None = None,
+) -> tuple[list[list[float]], list[list[float]]]:
+    """Per dataset row: logprobs of its completion tokens under `model` (and values, with a
+    value head). Used for reference-model logprobs and critic values."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    logprobs_of: list[list[float]] = [[] for _ in range(len(turns))]
+    values_of: list[list[float]] = [[] for _ in range(len(turns))]
+    lengths = [len(t) for t in turns["completion_token_ids"]]
+    sequences = rollout_sequences(turns, include_failed=True)
+    for start in range(0, len(sequences), batch_rollouts):
+        chunk = sequences[start : start + batch_rollouts]
+        logprobs, _, values = forward_targets(
+            model, collate(chunk, pad_token_id, device), temperature, chunk_tokens, value_head
+        )
+        offset = 0
+        for seq in chunk:
+            for row in seq.rows:
+                logprobs_of[row] = logprobs[offset : offset + lengths[row]].tolist()
+                if values is not None:
+                    values_of[row] = values[offset : offset + lengths[row]].tolist()
+                offset += lengths[row]
+    model.train(was_training)
+    return logprobs_of, values_of
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from the sampled tokens' logprobs:
+    k1 = log r, k2 = (log r)^2 / 2, k3 = (1/r - 1) + log r, with r = pi / pi_ref."""
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":  # low variance, always >= 0 (Schulman); clamped as in verl
+        return (torch.exp(-log_ratio) - 1.0 + log_ratio).clamp(max=10.0)
+    raise ValueError(f"unknown KL estimator '{estimator}'; valid: k1, k2, k3")
+
+
+# ---------------------------------------------------------------------------------------
+# 3. Saving
+# ---------------------------------------------------------------------------------------
+
+
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+def _named_trainable(model: torch.nn.Module, value_head: ValueHead | None) -> dict[str, torch.nn.Parameter]:
+    named = {f"policy.{n}": p for n, p in model.named_parameters() if p.requires_grad}
+    if value_head is not None:
+        named |= {f"critic.{n}": p for n, p in value_head.named_parameters()}
+    return named
+
+
+def save_optimizer_state(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module, value_head: ValueHead | None, directory: str | Path
+) -> None:
+    """Adam's moments and step count per named parameter, as safetensors beside the policy
+    (never pickle), so the next iteration's update continues the same optimiser."""
+    tensors = {}
+    for name, param in _named_trainable(model, value_head).items():
+        for key, value in optimizer.state.get(param, {}).items():  # step, exp_avg, exp_avg_sq
+            tensors[f"{name}/{key}"] = value.detach().cpu().contiguous()
+    save_file(tensors, Path(directory) / OPTIMIZER_FILE)
+
+
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module, value_head: ValueHead | None, directory: str | Path
+) -> int:
+    """Restore what save_optimizer_state wrote beside a policy; returns how many parameters
+    got their state back (0 without a file: a fresh optimiser). A parameter without saved
+    state (a critic added later) starts fresh; a shape that does not match is an error."""
+    path = Path(directory) / OPTIMIZER_FILE
+    if not path.is_file():
+        return 0
+    saved: dict[str, dict[str, torch.Tensor]] = {}  # parameter name -> {step, exp_avg, exp_avg_sq}
+    for key, value in load_file(path).items():
+        name, _, field = key.rpartition("/")
+        saved.setdefault(name, {})[field] = value
+    restored = 0
+    for name, param in _named_trainable(model, value_head).items():
+        state = saved.get(name)
+        if not state:
+            continue
+        for key, value in state.items():
+            if key != "step" and value.shape != param.shape:
+                raise ValueError(
+                    f"{path}: state '{name}/{key}' has shape {tuple(value.shape)}, not {tuple(param.shape)}"
+                )
+        # Adam keeps `step` on the CPU (non-capturable); the moments live with the parameter.
+        optimizer.state[param] = {k: v if k == "step" else v.to(param.device, param.dtype) for k, v in state.items()}
+        restored += 1
+    return restored
+
+
+def save_policy(
+    directory: str | Path,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    value_head: ValueHead | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> None:
+    """Everything the next iteration loads: the checkpoint, its tokenizer and, when trained
+    with them, the value head and the AdamW state."""
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    if value_head is not None:
+        value_head.save(directory)
+    if optimizer is not None:
+        save_optimizer_state(optimizer, model, value_head, directory)
