@@ -30,7 +30,7 @@ import numpy as np
 from pipeline.stage_table import POLICY
 from pipeline.store import Store
 from schemas.config import RunConfig
-from schemas.token_stream import generation_prompt_ids, prompt_token_ids
+from schemas.token_stream import Rollout, generation_prompt_ids, prompt_token_ids, rollouts
 from stages import assign_rewards, execute_tools
 from stages.policy import load_model, load_tokenizer, score_rollouts
 
@@ -65,13 +65,6 @@ class AuditReport:
         }
 
 
-def _rows_by_rollout(turns: datasets.Dataset) -> dict[int, list[dict[str, Any]]]:
-    by_rollout: dict[int, list[dict[str, Any]]] = {}
-    for index, row in enumerate(turns):
-        by_rollout.setdefault(row["rollout_id"], []).append({**row, "_row": index})
-    return {r: sorted(rows, key=lambda x: x["turn"]) for r, rows in sorted(by_rollout.items())}
-
-
 def audit(
     turns: datasets.Dataset,
     store: Store,
@@ -86,18 +79,18 @@ def audit(
     """Check a generate/execute/assign/compute dataset (columns it lacks are not checked)."""
     report = AuditReport()
     columns = set(turns.column_names)
-    rollouts = _rows_by_rollout(turns)
+    all_rollouts = rollouts(turns)
     prompt_tokens = generation_prompt_ids(tokenizer, enable_thinking)
-    for rollout_id, rows in rollouts.items():
-        where = f"rollout {rollout_id}"
-        turns_seen = [row["turn"] for row in rows]
+    for rollout in all_rollouts:
+        rows = [turns[row] for row in rollout.rows]
+        where = f"rollout {rollout.rollout_id}"
+        turns_seen = rollout.turns
         report.add("contiguous", None if turns_seen == list(range(len(rows))) else f"{where} has turns {turns_seen}")
         if "stop_reason" in columns:
             stops = [row["stop_reason"] is not None for row in rows]
             if any(stops[:-1]):
                 report.add("contiguous", f"{where}: turn {stops.index(True)} has a stop reason but is not the last")
-        offset = 0
-        for row in rows:
+        for row, (offset, _) in zip(rows, rollout.context_spans):
             at = f"{where} turn {row['turn']}"
             report.add(
                 "stream",
@@ -121,8 +114,6 @@ def audit(
                 report.add("stream", f"{at}: the context is not the generation prompt")
             if "observation" in columns and row["observation"] != tokenizer.decode(row["observation_token_ids"]):
                 report.add("stream", f"{at}: the observation text does not decode from its tokens")
-            offset = row["stream_offset"] + len(row["context_token_ids"]) + len(row["completion_token_ids"])
-            offset += len(row.get("observation_token_ids") or [])
 
             n = len(row["completion_token_ids"])
             for name in ("completion_logprobs", "advantages", "returns"):
@@ -152,9 +143,9 @@ def audit(
     for policy in sorted(set(turns["policy_version"])):
         report.add("policy", None if store.exists(POLICY, policy) else f"policy {policy} is not in the store")
 
-    if rescore_fraction > 0 and report.checks.get("policy") == 0 and rollouts:
+    if rescore_fraction > 0 and report.checks.get("policy") == 0 and all_rollouts:
         report.rescore_max_abs_diff = _rescore(
-            turns, store, rollouts, rescore_fraction, temperature, seed, tokenizer.pad_token_id
+            turns, store, all_rollouts, rescore_fraction, temperature, seed, tokenizer.pad_token_id
         )
         report.add(
             "rescore",
@@ -166,11 +157,20 @@ def audit(
     return report
 
 
-def _rescore(turns, store, rollouts, fraction, temperature, seed, pad_token_id) -> float:
+def _rescore(
+    turns: datasets.Dataset,
+    store: Store,
+    all_rollouts: list[Rollout],
+    fraction: float,
+    temperature: float,
+    seed: int,
+    pad_token_id: int,
+) -> float:
     """Max |stored - recomputed| logprob over a seeded sample of rollouts of each policy."""
+    by_id = {rollout.rollout_id: rollout for rollout in all_rollouts}
     rng = random.Random(seed)
-    chosen = sorted(rng.sample(sorted(rollouts), max(1, math.ceil(fraction * len(rollouts)))))
-    rows = [row["_row"] for r in chosen for row in rollouts[r]]
+    chosen = sorted(rng.sample(sorted(by_id), max(1, math.ceil(fraction * len(by_id)))))
+    rows = [row for rollout_id in chosen for row in by_id[rollout_id].rows]
     sample = turns.select(rows)
     worst = 0.0
     for policy in sorted(set(sample["policy_version"])):

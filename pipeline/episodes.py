@@ -19,6 +19,8 @@ import numpy as np
 
 from pipeline.stage_table import source_version
 from schemas.config import RunConfig
+from schemas.features import StopReason
+from schemas.token_stream import rollouts
 from stages import assign_rewards, execute_tools, generate_rollouts
 
 
@@ -162,28 +164,28 @@ def rollout_metrics(turns: datasets.Dataset, turn_limits: dict[str, int]) -> dic
     rise while a policy gets better, by solving harder cases too); `mean_turns_to_solve_or_limit`
     counts an unsolved rollout as its task's turn limit (`turn_limits`), a censored mean that
     falls only if rollouts solve more often or sooner. Failed rollouts count in neither."""
-    columns = turns.select_columns(["rollout_id", "task", "turn", "stop_reason", "failed", "reward"]).to_dict()
-    completion = [len(t) for t in turns["completion_token_ids"]]
-    observation = [len(t) for t in turns["observation_token_ids"]]
-    rollouts: dict[int, dict[str, Any]] = {}
-    for i, rollout_id in enumerate(columns["rollout_id"]):
-        r = rollouts.setdefault(rollout_id, {"task": columns["task"][i], "turn": -1, "gen": 0, "env": 0})
-        r["gen"] += completion[i]
-        r["env"] += observation[i]
-        if columns["turn"][i] > r["turn"]:
-            r.update(
-                turn=columns["turn"][i],
-                stop=columns["stop_reason"][i],
-                failed=columns["failed"][i],
-                reward=columns["reward"][i],
-            )
+    columns = turns.select_columns(["task", "stop_reason", "failed", "reward"]).to_dict()
+    everything: list[dict[str, Any]] = []  # one summary per rollout
+    for rollout in rollouts(turns):
+        end = rollout.rows[-1]  # the last turn says how the rollout ended
+        everything.append(
+            {
+                "task": columns["task"][end],
+                "turn": rollout.turns[-1],
+                "stop": columns["stop_reason"][end],
+                "failed": columns["failed"][end],
+                "reward": columns["reward"][end],
+                "gen": sum(stop - start for start, stop in rollout.completion_spans),
+                "env": sum(stop - start for start, stop in rollout.observation_spans),
+            }
+        )
 
     def summary(group: list[dict[str, Any]]) -> dict[str, Any]:
         n = max(1, len(group))
         scored = [r["reward"] for r in group if not r["failed"]]
-        solved = [r["turn"] + 1 for r in group if r["stop"] == "done" and not r["failed"] and r["reward"] > 0]
+        solved = [r["turn"] + 1 for r in group if r["stop"] == StopReason.DONE and not r["failed"] and r["reward"] > 0]
         censored = [
-            r["turn"] + 1 if r["stop"] == "done" and r["reward"] > 0 else turn_limits[r["task"]]
+            r["turn"] + 1 if r["stop"] == StopReason.DONE and r["reward"] > 0 else turn_limits[r["task"]]
             for r in group
             if not r["failed"]
         ]
@@ -191,9 +193,9 @@ def rollout_metrics(turns: datasets.Dataset, turn_limits: dict[str, int]) -> dic
             "rollouts": len(group),
             "reward_mean": float(np.mean(scored)) if scored else None,
             "success_rate": float(np.mean([r > 0 for r in scored])) if scored else None,
-            "natural_termination_rate": sum(r["stop"] == "done" for r in group) / n,
-            "truncation_rate": sum(r["stop"] in ("context_overflow", "length") for r in group) / n,
-            "max_turns_reached_rate": sum(r["stop"] == "max_turns" for r in group) / n,
+            "natural_termination_rate": sum(r["stop"] == StopReason.DONE for r in group) / n,
+            "truncation_rate": sum(r["stop"] in (StopReason.CONTEXT_OVERFLOW, StopReason.LENGTH) for r in group) / n,
+            "max_turns_reached_rate": sum(r["stop"] == StopReason.MAX_TURNS for r in group) / n,
             "failed_rate": sum(bool(r["failed"]) for r in group) / n,
             "mean_turns": float(np.mean([r["turn"] + 1 for r in group])) if group else 0.0,
             "max_turns": max((r["turn"] + 1 for r in group), default=0),
@@ -203,6 +205,5 @@ def rollout_metrics(turns: datasets.Dataset, turn_limits: dict[str, int]) -> dic
             "mean_env_tokens_per_rollout": sum(r["env"] for r in group) / n,
         }
 
-    everything = list(rollouts.values())
     tasks = sorted({r["task"] for r in everything})
     return {**summary(everything), "per_task": {t: summary([r for r in everything if r["task"] == t]) for t in tasks}}

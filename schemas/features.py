@@ -129,14 +129,6 @@ def dataset_from_rows(rows: list[dict], features: Features) -> Dataset:
     return Dataset.from_dict({name: [row.get(name) for row in rows] for name in features}, features=features)
 
 
-def sort_turns(dataset: Dataset) -> Dataset:
-    """Rows ordered by (rollout_id, turn), as a plain table (no indices mapping)."""
-    if dataset._indices is not None:  # a selection/shuffle view: materialise it first
-        dataset = dataset.flatten_indices(keep_in_memory=True)
-    table = dataset.data.table.sort_by([("rollout_id", "ascending"), ("turn", "ascending")])
-    return Dataset(table, info=dataset.info.copy())
-
-
 def token_counts(dataset: Dataset) -> dict[str, int]:
     """Total context / completion / observation tokens, from Arrow list lengths."""
     counts = {}

@@ -9,13 +9,19 @@ model's own chat template, so any template in the Hermes/Qwen family works.
 
 Convention recorded in manifests: earlier turns keep their <think> blocks exactly as sampled
 (Qwen3's template would drop them when re-rendering history; we never re-render).
+
+Datasets store one row per assistant turn with only that turn's new tokens; `rollouts(turns)`
+is the one place that rebuilds rollouts from them (docs/token-stream.md).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+from dataclasses import dataclass, field
 from typing import Any
+
+import datasets
 
 CONTEXT_CONVENTION = "sampled-tokens; history never re-rendered; earlier <think> blocks kept"
 # Deltas are rendered after a placeholder user message: templates such as Qwen3's re-render
@@ -80,3 +86,57 @@ def observation_token_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> lis
     # The sampled completion already ends with EOS; what the template puts after it belongs
     # to the observation.
     return _encode(tokenizer, _end_of_assistant_turn(tokenizer) + after[len(before) :])
+
+
+# ---------------------------------------------------------------------------------------
+# The rollout view: rollouts rebuilt from their turn rows
+# ---------------------------------------------------------------------------------------
+
+Span = tuple[int, int]  # [start, end) in a rollout's token_ids
+
+
+@dataclass
+class Rollout:
+    """One rollout of a dataset of turns: its rows in turn order and its token stream
+
+        token_ids = concat over its turns of context + completion + observation tokens
+
+    with the span of each turn's part in it (a completion span holds the trained tokens)."""
+
+    rollout_id: int
+    rows: list[int] = field(default_factory=list)  # the dataset row of each turn, in turn order
+    turns: list[int] = field(default_factory=list)  # their turn numbers (0..n-1 when complete)
+    token_ids: list[int] = field(default_factory=list)
+    context_spans: list[Span] = field(default_factory=list)
+    completion_spans: list[Span] = field(default_factory=list)
+    observation_spans: list[Span] = field(default_factory=list)
+    failed: bool = False  # a turn is flagged failed: never scored, never trained on
+
+    def stream_before(self, position: int) -> list[int]:
+        """The tokens the model saw before sampling the completion of the turn at `position`."""
+        return self.token_ids[: self.completion_spans[position][0]]
+
+
+def rollouts(turns: datasets.Dataset) -> list[Rollout]:
+    """The rollouts of a dataset of turn rows, by rollout_id, each with its turns in order. A
+    dataset without observations (generate-rollouts) has empty observation spans."""
+    names = ["rollout_id", "turn", "failed", "context_token_ids", "completion_token_ids", "observation_token_ids"]
+    columns = turns.select_columns([n for n in names if n in turns.column_names]).to_dict()
+    rows = len(columns["turn"])
+    observations = columns.get("observation_token_ids", [[]] * rows)
+    failed = columns.get("failed", [False] * rows)
+    by_id: dict[int, Rollout] = {}
+    for row in sorted(range(rows), key=lambda i: (columns["rollout_id"][i], columns["turn"][i])):
+        rollout = by_id.setdefault(columns["rollout_id"][row], Rollout(columns["rollout_id"][row]))
+        rollout.rows.append(row)
+        rollout.turns.append(columns["turn"][row])
+        rollout.failed |= bool(failed[row])
+        for tokens, spans in (
+            (columns["context_token_ids"][row], rollout.context_spans),
+            (columns["completion_token_ids"][row], rollout.completion_spans),
+            (observations[row], rollout.observation_spans),
+        ):
+            start = len(rollout.token_ids)
+            rollout.token_ids += tokens or []  # a null list (hand-built rows) counts as empty
+            spans.append((start, len(rollout.token_ids)))
+    return list(by_id.values())

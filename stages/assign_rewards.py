@@ -23,7 +23,8 @@ from typing import Any, ClassVar
 import datasets
 
 from schemas.config import RewardConfig
-from schemas.features import ASSIGN_REWARDS, sort_turns
+from schemas.features import ASSIGN_REWARDS, StopReason
+from schemas.token_stream import rollouts
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 
@@ -314,25 +315,23 @@ def assign_rewards(
     `config.overlong_reward`. Failed (infrastructure): NaN, and the rollout stays flagged, so
     it is never mistaken for a scored 0.
     """
-    turns = sort_turns(turns)
-    columns = turns.select_columns(
-        ["rollout_id", "task", "task_payload", "turn", "content", "tool_calls", "stop_reason", "failed"]
-    )
+    ordered = rollouts(turns)
     final_reward: dict[int, float] = {}
-    for row in columns:  # sorted by turn: the last row seen for a rollout is its end
-        if row["failed"]:
-            final_reward[row["rollout_id"]] = math.nan
-        elif row["stop_reason"] == "done":
-            task = json.loads(row["task_payload"])
-            final_reward[row["rollout_id"]] = float(environments[row["task"]].reward(task, row))
-        elif row["stop_reason"] == "length":
-            final_reward[row["rollout_id"]] = config.overlong_reward
-        elif row["stop_reason"] is not None:
-            final_reward[row["rollout_id"]] = config.truncated_reward
-        else:
-            final_reward.pop(row["rollout_id"], None)
-    unfinished = sorted(set(columns["rollout_id"]) - set(final_reward))
+    for rollout in ordered:
+        end = turns[rollout.rows[-1]]  # the last turn says how the rollout ended
+        if end["failed"]:
+            final_reward[rollout.rollout_id] = math.nan
+        elif end["stop_reason"] == StopReason.DONE:
+            final_reward[rollout.rollout_id] = float(
+                environments[end["task"]].reward(json.loads(end["task_payload"]), end)
+            )
+        elif end["stop_reason"] == StopReason.LENGTH:
+            final_reward[rollout.rollout_id] = config.overlong_reward
+        elif end["stop_reason"] is not None:
+            final_reward[rollout.rollout_id] = config.truncated_reward
+    unfinished = [rollout.rollout_id for rollout in ordered if rollout.rollout_id not in final_reward]
     if unfinished:
         raise ValueError(f"rollouts {unfinished[:5]} have not finished: run all their turns first")
-    rewards = [final_reward[r] for r in columns["rollout_id"]]
+    turns = turns.select([row for rollout in ordered for row in rollout.rows])  # rollout by rollout, in turn order
+    rewards = [final_reward[rollout.rollout_id] for rollout in ordered for _ in rollout.rows]
     return turns.add_column("reward", rewards, feature=ASSIGN_REWARDS["reward"])

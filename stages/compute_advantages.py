@@ -31,6 +31,7 @@ import torch
 
 from schemas.config import AdvantageConfig, PPOConfig
 from schemas.features import COMPUTE_ADVANTAGES
+from schemas.token_stream import rollouts
 from stages.policy import ValueHead, kl_estimate, load_model, load_tokenizer, score_rollouts
 
 
@@ -194,14 +195,9 @@ def compute_advantages(
     and the reference model before this pure function runs.
     """
     estimator = get_estimator(config.estimator)
-    columns = turns.select_columns(
-        ["rollout_id", "group_id", "turn", "reward", "turn_reward", "failed", "completion_token_ids"]
-    ).to_dict()
-    n_rows = len(columns["turn"])
+    columns = turns.select_columns(["group_id", "reward", "turn_reward", "failed", "completion_token_ids"]).to_dict()
     lengths = [len(tokens) for tokens in columns["completion_token_ids"]]
-    by_rollout: dict[int, list[int]] = {}
-    for row in sorted(range(n_rows), key=lambda i: (columns["rollout_id"][i], columns["turn"][i])):
-        by_rollout.setdefault(columns["rollout_id"][row], []).append(row)
+    by_rollout = {rollout.rollout_id: rollout.rows for rollout in rollouts(turns)}  # rows in turn order
 
     def failed(rows: list[int]) -> bool:
         return any(columns["failed"][r] for r in rows) or not np.isfinite(columns["reward"][rows[-1]])

@@ -24,8 +24,8 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from schemas.config import GenerationConfig
-from schemas.features import GENERATE_ROLLOUTS, dataset_from_rows
-from schemas.token_stream import generation_prompt_ids, prompt_token_ids
+from schemas.features import GENERATE_ROLLOUTS, FinishReason, dataset_from_rows
+from schemas.token_stream import generation_prompt_ids, prompt_token_ids, rollouts
 
 # ---------------------------------------------------------------------------------------
 # Sampling
@@ -45,7 +45,7 @@ class Request:
 class Completion:
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" (an EOS token), "stop_string" or "length"
+    finish_reason: FinishReason
 
 
 def sampling_seed(seed: int, iteration: int, rollout_id: int, turn: int) -> int:
@@ -209,13 +209,13 @@ class Engine:
                 sampled[i].append(token)
                 logprobs[i].append(chosen_logprobs[i])
                 if forced is not None:
-                    finish[i] = "replayed" if len(sampled[i]) == len(forced[i]) else None
+                    finish[i] = FinishReason.REPLAYED if len(sampled[i]) == len(forced[i]) else None
                 elif token in eos:
-                    finish[i] = "stop"
+                    finish[i] = FinishReason.STOP
                 elif requests[i].stop and any(stop in decode(sampled[i]) for stop in requests[i].stop):
-                    finish[i] = "stop_string"
+                    finish[i] = FinishReason.STOP_STRING
                 elif len(sampled[i]) >= limits[i]:
-                    finish[i] = "length"
+                    finish[i] = FinishReason.LENGTH
             progress.update()
             if all(f is not None for f in finish):
                 break
@@ -228,7 +228,7 @@ class Engine:
         # The last sampled token of each row is not in the cache yet; it is fed next turn.
         self._keys = [r.key for r in requests]
         self._cached_tokens = [r.token_ids + s[:-1] for r, s in zip(requests, sampled)]
-        return [Completion(s, lp, f or "length") for s, lp, f in zip(sampled, logprobs, finish)]
+        return [Completion(s, lp, f or FinishReason.LENGTH) for s, lp, f in zip(sampled, logprobs, finish)]
 
 
 # ---------------------------------------------------------------------------------------
@@ -244,61 +244,25 @@ def split_thinking(text: str) -> tuple[str, str]:
     return thinking.split("<think>", 1)[-1].strip(), content.strip()
 
 
-def rollout_streams(history: datasets.Dataset) -> dict[int, list[int]]:
-    """rollout_id -> its full token stream so far, from earlier execute-tools rows."""
-    columns = history.select_columns(
-        ["rollout_id", "turn", "context_token_ids", "completion_token_ids", "observation_token_ids"]
-    ).to_dict()
-    order = sorted(range(len(columns["turn"])), key=lambda i: (columns["rollout_id"][i], columns["turn"][i]))
-    streams: dict[int, list[int]] = {}
-    for i in order:
-        stream = streams.setdefault(columns["rollout_id"][i], [])
-        stream += columns["context_token_ids"][i] + columns["completion_token_ids"][i]
-        stream += columns["observation_token_ids"][i]
-    return streams
-
-
 def replay(engine: Engine, history: datasets.Dataset, temperature: float, top_k: int, top_p: float) -> float:
     """Rebuild the engine's cache by replaying the stored turns exactly as they were generated
     (same batches, same forward passes, sampled tokens given). A resumed run then continues
     with bit-identical numerics. Returns the max |replayed - stored| logprob (0 when exact)."""
-    columns = history.select_columns(
-        ["rollout_id", "turn", "sampling_seed", "finish_reason", "completion_token_ids", "completion_logprobs"]
-    ).to_dict()
-    streams = _streams_before_each_turn(history)
+    columns = history.select_columns(["sampling_seed", "finish_reason", "completion_logprobs"]).to_dict()
+    earlier = rollouts(history)
     worst = 0.0
     engine.reset()
-    for turn in sorted(set(columns["turn"])):
-        rows = sorted(
-            (i for i, t in enumerate(columns["turn"]) if t == turn and columns["finish_reason"][i] != "failed"),
-            key=lambda i: columns["rollout_id"][i],
-        )
-        requests = [
-            Request(columns["rollout_id"][i], streams[(columns["rollout_id"][i], turn)], columns["sampling_seed"][i], 1)
-            for i in rows
-        ]
-        forced = [columns["completion_token_ids"][i] for i in rows]
+    for turn in sorted({t for rollout in earlier for t in rollout.turns}):
+        # the batch of that turn: its rollouts that generated, by rollout_id
+        batch = [(r, r.turns.index(turn)) for r in earlier if turn in r.turns]
+        batch = [(r, p) for r, p in batch if columns["finish_reason"][r.rows[p]] != FinishReason.FAILED]
+        requests = [Request(r.rollout_id, r.stream_before(p), columns["sampling_seed"][r.rows[p]], 1) for r, p in batch]
+        forced = [r.token_ids[slice(*r.completion_spans[p])] for r, p in batch]
         replayed = engine.generate(requests, temperature, top_k, top_p, forced=forced)
-        for i, completion in zip(rows, replayed):
-            for new, old in zip(completion.logprobs, columns["completion_logprobs"][i]):
+        for (r, p), completion in zip(batch, replayed):
+            for new, old in zip(completion.logprobs, columns["completion_logprobs"][r.rows[p]]):
                 worst = max(worst, abs(new - old))
     return worst
-
-
-def _streams_before_each_turn(history: datasets.Dataset) -> dict[tuple[int, int], list[int]]:
-    """(rollout_id, turn) -> the tokens the model saw before generating that turn."""
-    columns = history.select_columns(
-        ["rollout_id", "turn", "context_token_ids", "completion_token_ids", "observation_token_ids"]
-    ).to_dict()
-    order = sorted(range(len(columns["turn"])), key=lambda i: (columns["rollout_id"][i], columns["turn"][i]))
-    before, running = {}, {}
-    for i in order:
-        rollout_id = columns["rollout_id"][i]
-        stream = running.setdefault(rollout_id, [])
-        stream += columns["context_token_ids"][i]
-        before[(rollout_id, columns["turn"][i])] = list(stream)
-        stream += columns["completion_token_ids"][i] + columns["observation_token_ids"][i]
-    return before
 
 
 def generate_rollouts(
@@ -329,7 +293,7 @@ def generate_rollouts(
             streams.append(context)
     else:
         assert history is not None, "turns after the first continue from the execute-tools history"
-        full_streams = rollout_streams(history)
+        full_streams = {rollout.rollout_id: rollout.token_ids for rollout in rollouts(history)}
         last_rows = {}
         for row in history.select_columns(
             [
@@ -375,7 +339,7 @@ def generate_rollouts(
 
     for row in rows:
         row.pop("stop", None)
-        completion = Completion([], [], "failed") if row["failed"] else next(completions)
+        completion = Completion([], [], FinishReason.FAILED) if row["failed"] else next(completions)
         thinking, content = split_thinking(tokenizer.decode(completion.token_ids, skip_special_tokens=True))
         row.update(
             iteration=iteration,

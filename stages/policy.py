@@ -22,6 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
+from schemas.token_stream import rollouts
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -156,33 +158,27 @@ OPTIONAL_COLUMNS = ("advantages", "returns", "values", "ref_logprobs")
 
 
 def rollout_sequences(turns: datasets.Dataset, include_failed: bool = False) -> list[Sequence]:
-    """One training sequence per rollout, in rollout order (failed rollouts left out)."""
-    names = ["rollout_id", "turn", "failed", "context_token_ids", "completion_token_ids", "completion_logprobs"]
-    columns = turns.select_columns(names + [c for c in OPTIONAL_COLUMNS if c in turns.column_names]).to_dict()
-    order = sorted(range(len(columns["turn"])), key=lambda i: (columns["rollout_id"][i], columns["turn"][i]))
-    observation = turns.select_columns(["observation_token_ids"])["observation_token_ids"]
-    sequences: dict[int, Sequence] = {}
-    failed: set[int] = set()
-    for i in order:
-        rollout_id = columns["rollout_id"][i]
-        if columns["failed"][i]:
-            failed.add(rollout_id)
-        seq = sequences.setdefault(rollout_id, Sequence())
-        seq.rows.append(i)
-        seq.token_ids += columns["context_token_ids"][i]
-        start = len(seq.token_ids)
-        seq.token_ids += columns["completion_token_ids"][i]
-        seq.target_positions += range(start, len(seq.token_ids))
-        seq.generation_logprobs += columns["completion_logprobs"][i]
-        for name, target in (("advantages", seq.advantages), ("returns", seq.returns)):
-            if name in columns:
-                target += columns[name][i]
-        if columns.get("values") and columns["values"][i]:
-            seq.old_values += columns["values"][i]
-        if columns.get("ref_logprobs") and columns["ref_logprobs"][i]:
-            seq.ref_logprobs += columns["ref_logprobs"][i]
-        seq.token_ids += observation[i]
-    return [seq for rid, seq in sorted(sequences.items()) if include_failed or rid not in failed]
+    """One sequence per rollout, in rollout order (failed rollouts left out): its whole token
+    stream, with its completion tokens as targets."""
+    optional = [name for name in OPTIONAL_COLUMNS if name in turns.column_names]
+    columns = turns.select_columns(["completion_logprobs", *optional]).to_dict()
+    sequences = []
+    for rollout in rollouts(turns):
+        if rollout.failed and not include_failed:
+            continue
+        seq = Sequence(rows=rollout.rows, token_ids=rollout.token_ids)
+        for row, (start, end) in zip(rollout.rows, rollout.completion_spans):
+            seq.target_positions += range(start, end)
+            seq.generation_logprobs += columns["completion_logprobs"][row]
+            for name, target in (("advantages", seq.advantages), ("returns", seq.returns)):
+                if name in columns:
+                    target += columns[name][row]
+            if columns.get("values") and columns["values"][row]:
+                seq.old_values += columns["values"][row]
+            if columns.get("ref_logprobs") and columns["ref_logprobs"][row]:
+                seq.ref_logprobs += columns["ref_logprobs"][row]
+        sequences.append(seq)
+    return sequences
 
 
 def collate(

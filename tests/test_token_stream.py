@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import random
 
-from schemas.token_stream import generation_prompt_ids, observation_token_ids, prompt_token_ids
+import datasets
+
+from schemas.token_stream import generation_prompt_ids, observation_token_ids, prompt_token_ids, rollouts
 from stages.assign_rewards import CalculatorEnv
 from stages.execute_tools import TOOLS, tool_schema
 
@@ -87,3 +89,55 @@ def test_calculator_env_samples_reproducibly():
     a = [env.sample_task(random.Random(5)) for _ in range(2)]
     assert a[0] == a[1] and env.reward(a[0], {"content": f"The result is {a[0]['answer']}."}) == 1.0
     assert env.reward(a[0], {"content": f"<think>\n{a[0]['answer']}\n</think>\n\nI do not know."}) == 0.0
+
+
+# ---------------------------------------------------------------------------------------
+# The rollout view, on hand-built turns
+# ---------------------------------------------------------------------------------------
+
+
+def turn_rows(with_observations: bool = True) -> datasets.Dataset:
+    """Three rollouts, rows shuffled: rollout 7 has three turns of different lengths, rollout 2
+    one turn, rollout 5 two turns and a failed second turn."""
+    rows = [
+        # rollout_id, turn, failed, context, completion, observation
+        (7, 1, False, [50], [51, 52, 53], [54, 55]),
+        (2, 0, False, [1, 2], [3], []),
+        (7, 0, False, [40, 41, 42], [43], [44]),
+        (5, 1, True, [60], [], []),
+        (7, 2, False, [56], [57, 58], []),
+        (5, 0, False, [30], [31, 32], [33]),
+    ]
+    columns = {
+        "rollout_id": [r[0] for r in rows],
+        "turn": [r[1] for r in rows],
+        "failed": [r[2] for r in rows],
+        "context_token_ids": [r[3] for r in rows],
+        "completion_token_ids": [r[4] for r in rows],
+    }
+    if with_observations:
+        columns["observation_token_ids"] = [r[5] for r in rows]
+    return datasets.Dataset.from_dict(columns)
+
+
+def test_rollouts_rebuild_streams_and_spans_from_shuffled_ragged_turns():
+    two, five, seven = rollouts(turn_rows())
+    assert [r.rollout_id for r in (two, five, seven)] == [2, 5, 7]
+    assert seven.rows == [2, 0, 4] and seven.turns == [0, 1, 2]
+    # 40 41 42 | 43 | 44 || 50 | 51 52 53 | 54 55 || 56 | 57 58 |
+    assert seven.token_ids == [40, 41, 42, 43, 44, 50, 51, 52, 53, 54, 55, 56, 57, 58]
+    assert seven.context_spans == [(0, 3), (5, 6), (11, 12)]
+    assert seven.completion_spans == [(3, 4), (6, 9), (12, 14)]
+    assert seven.observation_spans == [(4, 5), (9, 11), (14, 14)]
+    assert seven.stream_before(1) == [40, 41, 42, 43, 44, 50] and not seven.failed
+    assert two.token_ids == [1, 2, 3] and two.rows == [1] and two.completion_spans == [(2, 3)]
+    # a failed turn flags the whole rollout; its empty completion is an empty span
+    assert five.failed and five.rows == [5, 3] and five.completion_spans == [(1, 3), (5, 5)]
+    assert five.token_ids == [30, 31, 32, 33, 60]
+
+
+def test_rollouts_of_a_generation_dataset_have_empty_observations():
+    seven = rollouts(turn_rows(with_observations=False))[2]
+    assert seven.token_ids == [40, 41, 42, 43, 50, 51, 52, 53, 56, 57, 58]
+    assert seven.observation_spans == [(4, 4), (8, 8), (11, 11)]
+    assert seven.stream_before(2) == [40, 41, 42, 43, 50, 51, 52, 53, 56]
