@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.episodes import run_episodes
+from pipeline.evaluate import run_episodes
 from pipeline.models import EMBEDDED_POLICY
 from schemas.config import RunConfig
 from stages.generate_rollouts import Engine

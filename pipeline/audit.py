@@ -31,7 +31,8 @@ from pipeline.stage_table import POLICY
 from pipeline.store import Store
 from schemas.config import RunConfig
 from schemas.token_stream import Rollout, generation_prompt_ids, prompt_token_ids, rollouts
-from stages import assign_rewards, execute_tools
+from stages import execute_tools
+from stages.environments import ENVIRONMENTS
 from stages.policy import load_model, load_tokenizer, score_rollouts
 
 
@@ -99,7 +100,7 @@ def audit(
                 else f"{at}: stream_offset {row['stream_offset']}, but the turns before it hold {offset} tokens",
             )
             if row["turn"] == 0:
-                environment = assign_rewards.ENVIRONMENTS.get(row["task"])
+                environment = ENVIRONMENTS.get(row["task"])
                 if environment is not None:
                     tools = [execute_tools.tool_schema(execute_tools.TOOLS[t]) for t in environment.tools]
                     messages = environment.reset(json.loads(row["task_payload"]))

@@ -77,8 +77,8 @@ def build_config(args: argparse.Namespace, base: RunConfig | None = None) -> Run
 
 def validate_choices(config: RunConfig) -> None:
     """Names that only the registries know, checked before any work is done."""
-    from pipeline.episodes import load_plugins
     from pipeline.models import resolve_model_dir
+    from pipeline.task_mix import load_plugins
     from stages.compute_advantages import ESTIMATORS
 
     try:
@@ -86,7 +86,7 @@ def validate_choices(config: RunConfig) -> None:
     except ImportError as exc:
         raise UsageError(f"task.plugins: cannot import {exc.name!r}: {exc}") from None
 
-    from pipeline.episodes import check_environments
+    from pipeline.task_mix import check_environments
 
     try:
         check_environments(config)
@@ -179,8 +179,10 @@ def command_eval(args: argparse.Namespace) -> None:
     """Roll out a policy on fixed evaluation tasks (nothing is stored) and print its metrics."""
     config = build_config(args)
     validate_choices(config)
-    from pipeline.episodes import rollout_metrics, run_episodes, task_turn_limits
+    from pipeline.evaluate import run_episodes
     from pipeline.models import resolve_model_dir
+    from pipeline.task_mix import task_turn_limits
+    from stages.assign_rewards import rollout_metrics
     from stages.generate_rollouts import Engine
     from stages.policy import eos_token_ids, load_model, load_tokenizer
 

@@ -26,24 +26,19 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from pipeline.audit import audit_before_training
-from pipeline.episodes import (
-    execute_turn,
-    generate_turn,
-    load_plugins,
-    rollout_metrics,
-    task_turn_limits,
-    turn_limit,
-)
+from pipeline.evaluate import execute_turn, generate_turn
 from pipeline.memory import peak_memory
 from pipeline.models import resolve_model_dir
 from pipeline.report import write_report
 from pipeline.runners import map_row_shards, stage_runner
 from pipeline.stage_table import POLICY, STAGES
 from pipeline.store import Store, file_digests, version_key
+from pipeline.task_mix import load_plugins, task_turn_limits, turn_limit
 from schemas.config import RunConfig
 from schemas.features import PPO_UPDATE, dataset_from_rows, token_counts
 from schemas.token_stream import CONTEXT_CONVENTION, chat_template_hash
 from stages import assign_rewards, compute_advantages, execute_tools, generate_rollouts, ppo_update
+from stages.environments import ENVIRONMENTS
 from stages.policy import eos_token_ids, load_model, load_tokenizer
 
 POLICY_CODE_VERSION = "1"  # the layout of a stored policy (a save_pretrained folder + optimiser state)
@@ -234,8 +229,8 @@ def assign_rewards_task(
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
     load_plugins(config.task.plugins)  # a Ray worker has not imported them yet
     turns = load_turns(store, parents["execute-tools"])
-    dataset = assign_rewards.assign_rewards(turns, assign_rewards.ENVIRONMENTS, config.reward)
-    return dataset, {"metrics": rollout_metrics(dataset, task_turn_limits(config))}
+    dataset = assign_rewards.assign_rewards(turns, ENVIRONMENTS, config.reward)
+    return dataset, {"metrics": assign_rewards.rollout_metrics(dataset, task_turn_limits(config))}
 
 
 def advantage_parents(config: RunConfig, store: Store, rewarded: str) -> dict[str, str]:

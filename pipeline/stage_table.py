@@ -69,7 +69,7 @@ def _device(config: RunConfig) -> str:
 
 
 def _environment_code(config: RunConfig) -> dict[str, str]:
-    from pipeline.episodes import environment_code
+    from pipeline.task_mix import environment_code
 
     return environment_code(config)
 

@@ -2,7 +2,7 @@
 
 import random
 
-from stages.assign_rewards import ENVIRONMENTS, Environment, last_integer
+from stages.environments import ENVIRONMENTS, Environment, last_integer
 from stages.execute_tools import TOOLS
 
 

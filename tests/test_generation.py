@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.episodes import run_episodes
+from pipeline.evaluate import run_episodes
 from schemas.config import RunConfig
 from stages.generate_rollouts import Engine, Request, filter_logits, sampling_seed, split_thinking
 from stages.policy import eos_token_ids

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from pipeline.stage_table import POLICY, STAGES
 from pipeline.store import Store
 from schemas.token_stream import generation_prompt_ids, observation_token_ids, prompt_token_ids
-from stages.assign_rewards import ENVIRONMENTS
+from stages.environments import ENVIRONMENTS
 from stages.execute_tools import TOOLS, tool_schema
 
 pytestmark = pytest.mark.usefixtures("prefect_server")

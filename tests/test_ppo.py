@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from pipeline.episodes import run_episodes
+from pipeline.evaluate import run_episodes
 from schemas.config import PPOConfig, RunConfig
 from schemas.features import COMPUTE_ADVANTAGES
 from stages.generate_rollouts import Engine

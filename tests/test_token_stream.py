@@ -7,7 +7,7 @@ import random
 import datasets
 
 from schemas.token_stream import generation_prompt_ids, observation_token_ids, prompt_token_ids, rollouts
-from stages.assign_rewards import CalculatorEnv
+from stages.environments import CalculatorEnv
 from stages.execute_tools import TOOLS, tool_schema
 
 EXPECTED_EPISODE = (

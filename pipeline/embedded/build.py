@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from stages.assign_rewards import ENVIRONMENTS, CalculatorEnv
+from stages.environments import ENVIRONMENTS, CalculatorEnv
 from stages.execute_tools import TOOLS, calculate, tool_schema
 
 HERE = Path(__file__).resolve().parent
@@ -167,8 +167,10 @@ def evaluate(
     """Run each task's episodes on n fixed tasks with the real rollout code. calculator:
     well-formed first call, first call computing the answer, correct final answer;
     guess-number: solved within 50 turns, mean turns to solve; weather: correct answer."""
-    from pipeline.episodes import rollout_metrics, run_episodes, task_turn_limits
+    from pipeline.evaluate import run_episodes
+    from pipeline.task_mix import task_turn_limits
     from schemas.config import RunConfig
+    from stages.assign_rewards import rollout_metrics
     from stages.generate_rollouts import Engine
     from stages.policy import eos_token_ids
 

@@ -1,0 +1,94 @@
+"""The iteration's tasks: user plugins, the task mix, turn limits and the code versions of the
+environments and tools in use (what the flow needs before any stage runs)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import random
+import sys
+from typing import Any
+
+from pipeline.stage_table import source_version
+from schemas.config import RunConfig
+from stages import execute_tools
+from stages.environments import ENVIRONMENTS
+
+
+def load_plugins(modules: list[str]) -> None:
+    """Import user modules that register tools (TOOLS) and environments (ENVIRONMENTS); the
+    working directory is searched first, as `python -m` would."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    for module in modules:
+        importlib.import_module(module)
+
+
+def environment_code(config: RunConfig) -> dict[str, str]:
+    """Code version of each environment of the task mix and of its tools: a hash of the source
+    files that define them, so editing a reward function or a tool gives new versions."""
+    versions = {}
+    for name, _ in config.task.mix():
+        environment = ENVIRONMENTS[name]
+        files = {inspect.getsourcefile(type(environment))}
+        files |= {inspect.getsourcefile(execute_tools.TOOLS[tool]) for tool in environment.tools}
+        versions[name] = source_version(*sorted(files))
+    return versions
+
+
+def task_turn_limits(config: RunConfig) -> dict[str, int]:
+    """Each task's turn limit: task.max_turns, or its environment's own."""
+    return {name: ENVIRONMENTS[name].turn_limit(config.task.max_turns) for name, _ in config.task.mix()}
+
+
+def turn_limit(config: RunConfig) -> int:
+    """Rounds of an iteration at most: the longest turn limit of the mix (each rollout is
+    still cut at its own task's limit)."""
+    return max(task_turn_limits(config).values())
+
+
+def check_environments(config: RunConfig) -> None:
+    """Every task of the mix is registered, has tools, and its tools are registered."""
+    for name, _ in config.task.mix():
+        if name not in ENVIRONMENTS:
+            raise ValueError(f"unknown task '{name}'; valid: {', '.join(sorted(ENVIRONMENTS))}")
+        environment = ENVIRONMENTS[name]
+        if not environment.tools:
+            raise ValueError(f"environment '{name}' lists no tools; a tool-using task needs at least one")
+        missing = [tool for tool in environment.tools if tool not in execute_tools.TOOLS]
+        if missing:
+            raise ValueError(
+                f"environment '{name}' uses unregistered tool(s) {missing}; registered: {', '.join(execute_tools.TOOLS)}"
+            )
+
+
+def rollout_starts(config: RunConfig, iteration: int) -> list[dict[str, Any]]:
+    """The iteration's tasks: rollouts / group_size groups, each one task of one environment
+    (split by the task mix) sampled group_size times. A group never mixes tasks."""
+    check_environments(config)
+    rng = random.Random(f"tasks/{config.seed}/{iteration}")
+    starts = []
+    for group_id, name in enumerate(config.task.groups_per_task()):
+        environment = ENVIRONMENTS[name]
+        tools = [execute_tools.tool_schema(execute_tools.TOOLS[tool]) for tool in environment.tools]
+        try:
+            task = environment.sample_task(rng)
+            messages = environment.reset(task)
+            json.dumps(task)
+        except Exception as exc:
+            raise ValueError(f"environment '{name}' failed to start a task: {exc.__class__.__name__}: {exc}") from exc
+        for _ in range(config.task.group_size):
+            starts.append(
+                {
+                    "rollout_id": len(starts),
+                    "group_id": group_id,
+                    "task": environment.name,
+                    "task_id": f"{environment.name}-{iteration}-{group_id}",
+                    "task_payload": json.dumps(task, sort_keys=True),
+                    "messages": messages,
+                    "tools": tools,
+                }
+            )
+    return starts
