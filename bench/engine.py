@@ -9,7 +9,7 @@ the ppo-update stage at several B x S shapes.
 Sections of the JSON:
 - generation: R rollouts x T turns x N new tokens (EOS disabled so every row makes N tokens),
   a fixed observation after each turn. notebook = HF `generate` on the whole left-padded
-  history every turn (lockstep batch); engine = stages.generate_rollouts.Engine (KV cache kept
+  history every turn (lockstep batch); engine = stages.generate_rollouts.hf.HFEngine (KV cache kept
   across turns, per-rollout seeded sampling). tokens/s of each and their ratio.
 - long_episode: one batch through the engine for --long-turns turns; seconds of every turn,
   and the last turn's time over the first's (does a turn get slower as the context grows?).
@@ -43,7 +43,8 @@ from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 from pipeline.memory import current_rss_bytes
 from schemas.config import PPOConfig
 from schemas.features import COMPUTE_ADVANTAGES, dataset_from_rows
-from stages.generate_rollouts import Engine, Request
+from stages.generate_rollouts.engine import Request, Sampling
+from stages.generate_rollouts.hf import HFEngine
 from stages.ppo_update import ppo_update
 
 
@@ -112,13 +113,13 @@ def notebook_pattern(model, prompts, observation, turns, new_tokens, device) -> 
 def engine_turns(model, prompts, observation, turns, new_tokens, device) -> tuple[int, list[float]]:
     """The same workload through the engine (each turn prefills only its new tokens).
     Returns the tokens generated and the seconds of each turn."""
-    engine = Engine(model, pad_token_id=0, eos_token_ids=[])
+    engine = HFEngine(model, pad_token_id=0, eos_token_ids=[])
     streams = [list(p) for p in prompts]
     generated, seconds = 0, []
     for turn in range(turns):
         started = time.perf_counter()
         requests = [Request(i, s, seed=1000 * turn + i, max_new_tokens=new_tokens) for i, s in enumerate(streams)]
-        for i, completion in enumerate(engine.generate(requests, temperature=1.0)):
+        for i, completion in enumerate(engine.sample(requests, Sampling(temperature=1.0))):
             streams[i] = streams[i] + completion.token_ids + observation
             generated += len(completion.token_ids)
         synchronize(device)

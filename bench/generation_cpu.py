@@ -5,7 +5,7 @@
 Both paths run the same multi-turn calculator rollouts (same seeds, same tokens): "kv_reuse"
 is mtrl's engine (a new turn prefills only its delta tokens); "re_encode" resets the cache
 before every turn, as a notebook loop that re-encodes the whole history does. Only time spent
-inside Engine.generate is counted (tools and dataset building are excluded).
+inside HFEngine.sample is counted (tools and dataset building are excluded).
 """
 
 from __future__ import annotations
@@ -23,20 +23,20 @@ import torch
 from pipeline.evaluate import run_episodes
 from pipeline.models import EMBEDDED_POLICY
 from schemas.config import RunConfig
-from stages.generate_rollouts import Engine
+from stages.generate_rollouts.hf import HFEngine
 from stages.policy import eos_token_ids, load_model, load_tokenizer
 
 
-class TimedEngine(Engine):
+class TimedEngine(HFEngine):
     def __init__(self, *args, re_encode: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.re_encode, self.seconds, self.tokens = re_encode, 0.0, 0
 
-    def generate(self, requests, temperature, top_k=0, top_p=1.0, decode=None):
+    def sample(self, requests, sampling, forced=None):
         if self.re_encode:
             self.reset()
         started = time.perf_counter()
-        completions = super().generate(requests, temperature, top_k, top_p, decode)
+        completions = super().sample(requests, sampling, forced)
         self.seconds += time.perf_counter() - started
         self.tokens += sum(len(c.token_ids) for c in completions)
         return completions

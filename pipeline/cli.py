@@ -80,6 +80,7 @@ def validate_choices(config: RunConfig) -> None:
     from pipeline.models import resolve_model_dir
     from pipeline.task_mix import load_plugins
     from stages.compute_advantages import ESTIMATORS
+    from stages.generate_rollouts import ENGINES
 
     try:
         load_plugins(config.task.plugins)
@@ -92,6 +93,8 @@ def validate_choices(config: RunConfig) -> None:
         check_environments(config)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if config.generation.engine not in ENGINES:
+        raise UsageError(f"unknown generation engine '{config.generation.engine}'; valid: {', '.join(sorted(ENGINES))}")
     if config.advantage.estimator not in ESTIMATORS:
         raise UsageError(
             f"unknown advantage estimator '{config.advantage.estimator}'; valid: {', '.join(sorted(ESTIMATORS))}"
@@ -183,8 +186,8 @@ def command_eval(args: argparse.Namespace) -> None:
     from pipeline.models import resolve_model_dir
     from pipeline.task_mix import task_turn_limits
     from stages.assign_rewards import rollout_metrics
-    from stages.generate_rollouts import Engine
-    from stages.policy import eos_token_ids, load_model, load_tokenizer
+    from stages.generate_rollouts.engine import open_engine
+    from stages.policy import load_tokenizer
 
     store = Store(config.store.runs_dir)
     model_dir = (
@@ -192,8 +195,8 @@ def command_eval(args: argparse.Namespace) -> None:
         if args.policy
         else resolve_model_dir(config.model.path)
     )
-    model, tokenizer = load_model(model_dir, config.model.dtype, config.model.device), load_tokenizer(model_dir)
-    engine = Engine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model))
+    tokenizer = load_tokenizer(model_dir)
+    engine = open_engine(config.generation.engine, model_dir, tokenizer, config.model.dtype, config.model.device)
     # evaluation tasks come from their own seed, never the training iterations'
     turns = run_episodes(engine, tokenizer, config, iteration=EVAL_ITERATION)
     print(json.dumps({"policy": str(model_dir), **rollout_metrics(turns, task_turn_limits(config))}, indent=2))

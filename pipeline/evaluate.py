@@ -11,10 +11,11 @@ from pipeline.task_mix import rollout_starts, turn_limit
 from schemas.config import RunConfig
 from stages import assign_rewards, execute_tools, generate_rollouts
 from stages.environments import ENVIRONMENTS
+from stages.generate_rollouts.engine import GenerationEngine
 
 
 def generate_turn(
-    engine: generate_rollouts.Engine,
+    engine: GenerationEngine,
     tokenizer: Any,
     config: RunConfig,
     *,
@@ -22,8 +23,8 @@ def generate_turn(
     turn: int,
     policy_version: str,
     history: datasets.Dataset | None,
-) -> datasets.Dataset:
-    """generate-rollouts for one turn, configured by the run config."""
+) -> tuple[datasets.Dataset, dict[str, Any] | None]:
+    """generate-rollouts for one turn, configured by the run config (and the engine's replay)."""
     return generate_rollouts.generate_rollouts(
         engine,
         tokenizer,
@@ -51,14 +52,12 @@ def execute_turn(turns: datasets.Dataset, tokenizer: Any, config: RunConfig) -> 
     )
 
 
-def run_episodes(
-    engine: generate_rollouts.Engine, tokenizer: Any, config: RunConfig, iteration: int = 0
-) -> datasets.Dataset:
+def run_episodes(engine: GenerationEngine, tokenizer: Any, config: RunConfig, iteration: int = 0) -> datasets.Dataset:
     """All turns of one iteration's rollouts, scored: the assign-rewards dataset, in memory."""
     rounds: list[datasets.Dataset] = []
     for turn in range(turn_limit(config)):
         history = datasets.concatenate_datasets(rounds) if rounds else None
-        generated = generate_turn(
+        generated, _ = generate_turn(
             engine, tokenizer, config, iteration=iteration, turn=turn, policy_version="in-memory", history=history
         )
         rounds.append(execute_turn(generated, tokenizer, config))

@@ -37,9 +37,10 @@ from pipeline.task_mix import load_plugins, task_turn_limits, turn_limit
 from schemas.config import RunConfig
 from schemas.features import PPO_UPDATE, dataset_from_rows, token_counts
 from schemas.token_stream import CONTEXT_CONVENTION, chat_template_hash
-from stages import assign_rewards, compute_advantages, execute_tools, generate_rollouts, ppo_update
+from stages import assign_rewards, compute_advantages, execute_tools, ppo_update
 from stages.environments import ENVIRONMENTS
-from stages.policy import eos_token_ids, load_model, load_tokenizer
+from stages.generate_rollouts.engine import GenerationEngine, open_engine
+from stages.policy import load_tokenizer
 
 POLICY_CODE_VERSION = "1"  # the layout of a stored policy (a save_pretrained folder + optimiser state)
 
@@ -56,7 +57,7 @@ def stage_version(config: RunConfig, stage: str, parents: dict[str, str], positi
 
 
 # ---------------------------------------------------------------------------------------
-# Runtime: the loaded policy (model, tokenizer, generation engine), one per process
+# Runtime: the generation engine of the current policy, one per process
 # ---------------------------------------------------------------------------------------
 
 
@@ -65,16 +66,20 @@ def cached_tokenizer(model_dir: str) -> Any:
     return load_tokenizer(model_dir)
 
 
-@functools.lru_cache(maxsize=1)
-def _runtime(model_dir: str, dtype: str, device: str) -> tuple[Any, Any, generate_rollouts.Engine]:
-    tokenizer = cached_tokenizer(model_dir)
-    model = load_model(model_dir, dtype, device)
-    engine = generate_rollouts.Engine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model))
-    return model, tokenizer, engine
+_engine: dict[tuple[str, ...], GenerationEngine] = {}  # at most one: (engine, policy, dtype, device) -> it
 
 
-def policy_runtime(store: Store, config: RunConfig, policy_version: str) -> tuple[Any, Any, generate_rollouts.Engine]:
-    return _runtime(str(store.policy_dir(policy_version)), config.model.dtype, config.model.device)
+def policy_engine(store: Store, config: RunConfig, policy_version: str) -> GenerationEngine:
+    """The engine serving this policy: kept from turn to turn (it holds the rollouts' caches),
+    closed when the next iteration's policy replaces it."""
+    model_dir = str(store.policy_dir(policy_version))
+    key = (config.generation.engine, model_dir, config.model.dtype, config.model.device)
+    if key not in _engine:
+        for engine in _engine.values():
+            engine.close()
+        _engine.clear()
+        _engine[key] = open_engine(key[0], model_dir, cached_tokenizer(model_dir), *key[2:])
+    return _engine[key]
 
 
 def import_base_policy(store: Store, config: RunConfig) -> str:
@@ -184,10 +189,16 @@ def generate_rollouts_task(
     store: Store, config: RunConfig, parents: dict[str, str], iteration: int, turn: int
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
     policy_version, previous = parents[POLICY], parents.get("execute-tools")
-    _, tokenizer, engine = policy_runtime(store, config, policy_version)
+    tokenizer = cached_tokenizer(str(store.policy_dir(policy_version)))
     history = load_turns(store, previous) if previous else None
-    dataset = generate_turn(
-        engine, tokenizer, config, iteration=iteration, turn=turn, policy_version=policy_version, history=history
+    dataset, replay = generate_turn(
+        policy_engine(store, config, policy_version),
+        tokenizer,
+        config,
+        iteration=iteration,
+        turn=turn,
+        policy_version=policy_version,
+        history=history,
     )
     provenance = {
         "sampling": config.generation.model_dump(mode="json") | {"seed": config.seed},
@@ -196,7 +207,7 @@ def generate_rollouts_task(
         "chat_template_sha256": chat_template_hash(tokenizer),
     }
     # a cold engine (a resumed run) replays the earlier turns first; 0.0 means bit-identical
-    return dataset, {"provenance": provenance, "replay": engine.last_replay}
+    return dataset, {"provenance": provenance, "replay": replay}
 
 
 def execute_shard(turns: datasets.Dataset, model_dir: str, config: RunConfig) -> datasets.Dataset:

@@ -89,7 +89,7 @@ STAGES: dict[str, Stage] = {
             features=features.GENERATE_ROLLOUTS,
             config=("generation", "task", "seed", "model.dtype"),
             derived=("device", "environment_code"),
-            code=("stages/generate_rollouts.py", "stages/policy.py"),
+            code=("stages/generate_rollouts", "stages/policy.py"),
         ),
         Stage(
             name="execute-tools",

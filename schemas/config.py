@@ -92,6 +92,11 @@ class TaskConfig(Section):
 
 
 class GenerationConfig(Section):
+    engine: str = Field(
+        "hf",
+        description="Generation engine by name (stages/generate_rollouts/engine.py): hf = in-process Hugging Face "
+        "model with per-rollout KV caches, the exact reference.",
+    )
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature; logprobs use the same.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (1 = off).")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0 = off).")

@@ -17,7 +17,7 @@ from schemas.token_stream import prompt_token_ids
 from stages.assign_rewards import assign_rewards, rollout_metrics
 from stages.environments import ENVIRONMENTS, CalculatorEnv, GuessNumberEnv, WeatherEnv
 from stages.execute_tools import TOOLS, ToolCall, run_tool_calls, tool_schema
-from stages.generate_rollouts import Engine
+from stages.generate_rollouts.hf import HFEngine
 from stages.policy import eos_token_ids
 
 
@@ -70,7 +70,7 @@ def test_guess_number_pays_each_turn_the_information_it_gained():
 
 def test_the_environment_state_travels_with_the_rollout(tiny):
     model, tokenizer = tiny
-    engine = Engine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model))
+    engine = HFEngine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode)
     config = RunConfig(task={"name": "guess-number", "rollouts": 8, "group_size": 4, "max_turns": 5})
     turns = run_episodes(engine, tokenizer, config)
     rows = {(row["rollout_id"], row["turn"]): row for row in turns}
@@ -149,7 +149,7 @@ def custom_environments(monkeypatch):
 @pytest.mark.usefixtures("custom_environments")
 def test_per_turn_rewards_stop_strings_and_a_raising_environment(tiny):
     model, tokenizer = tiny
-    engine = Engine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model))
+    engine = HFEngine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode)
     config = RunConfig(task={"name": "shaped-calculator,broken", "rollouts": 8, "group_size": 4, "max_turns": 3})
     turns = run_episodes(engine, tokenizer, config)
     shaped = [row for row in turns if row["task"] == "shaped-calculator"]
@@ -187,7 +187,11 @@ def test_a_plugin_registers_a_tool_and_an_environment(tiny):
             task={"name": "multiply", "rollouts": 2, "group_size": 2, "max_turns": 2, "plugins": ["plugin_countdown"]}
         )
         model, tokenizer = tiny
-        turns = run_episodes(Engine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model)), tokenizer, config)
+        turns = run_episodes(
+            HFEngine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode),
+            tokenizer,
+            config,
+        )
         assert set(turns["task"]) == {"multiply"}
         (result,) = run_tool_calls([ToolCall("multiply", {"a": 6, "b": 7})], TOOLS, 30)  # in a worker process
         assert result.content == "42"

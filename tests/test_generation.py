@@ -7,16 +7,18 @@ import torch
 
 from pipeline.evaluate import run_episodes
 from schemas.config import RunConfig
-from stages.generate_rollouts import Engine, Request, filter_logits, sampling_seed, split_thinking
+from stages.generate_rollouts import sampling_seed, split_thinking
+from stages.generate_rollouts.engine import Request, Sampling
+from stages.generate_rollouts.hf import HFEngine, filter_logits
 from stages.policy import eos_token_ids
 
 
-class ColdEngine(Engine):
+class ColdEngine(HFEngine):
     """The reference path: no KV reuse, every turn re-encodes the whole context."""
 
-    def generate(self, requests, temperature, top_k=0, top_p=1.0, decode=None):
+    def sample(self, requests, sampling, forced=None):
         self.reset()
-        return super().generate(requests, temperature, top_k, top_p, decode)
+        return super().sample(requests, sampling, forced)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,9 @@ def streams_and_logprobs(turns):
 
 def test_logprobs_equal_a_fresh_forward_pass_over_the_stored_stream(tiny, config):
     model, tokenizer = tiny
-    turns = run_episodes(Engine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model)), tokenizer, config)
+    turns = run_episodes(
+        HFEngine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode), tokenizer, config
+    )
     assert max(turns["turn"]) >= 1  # several turns, so KV reuse was exercised
     worst = 0.0
     with torch.no_grad():
@@ -53,7 +57,7 @@ def test_logprobs_equal_a_fresh_forward_pass_over_the_stored_stream(tiny, config
 def test_kv_reuse_gives_the_same_tokens_as_re_encoding_every_turn(tiny, config):
     model, tokenizer = tiny
     eos = eos_token_ids(tokenizer, model)
-    reused = run_episodes(Engine(model, tokenizer.pad_token_id, eos), tokenizer, config)
+    reused = run_episodes(HFEngine(model, tokenizer.pad_token_id, eos), tokenizer, config)
     cold = run_episodes(ColdEngine(model, tokenizer.pad_token_id, eos), tokenizer, config)
     assert reused["completion_token_ids"] == cold["completion_token_ids"]
     assert reused["observation_token_ids"] == cold["observation_token_ids"]
@@ -65,13 +69,13 @@ def test_kv_reuse_gives_the_same_tokens_as_re_encoding_every_turn(tiny, config):
 
 def test_a_rollouts_tokens_do_not_depend_on_the_rest_of_the_batch(tiny):
     model, tokenizer = tiny
-    engine = Engine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model))
+    engine = HFEngine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode)
     prompts = [
         tokenizer.encode(f"<|im_start|>user\nEvaluate {a}+{a}.<|im_end|>\n<|im_start|>assistant\n") for a in range(5)
     ]
-    batch = engine.generate([Request(i, p, sampling_seed(0, 0, i, 0), 24) for i, p in enumerate(prompts)], 1.0)
-    alone = ColdEngine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model)).generate(
-        [Request(3, prompts[3], sampling_seed(0, 0, 3, 0), 24)], 1.0
+    batch = engine.sample([Request(i, p, sampling_seed(0, 0, i, 0), 24) for i, p in enumerate(prompts)], Sampling(1.0))
+    alone = ColdEngine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model)).sample(
+        [Request(3, prompts[3], sampling_seed(0, 0, 3, 0), 24)], Sampling(1.0)
     )
     assert batch[3].token_ids == alone[0].token_ids
 
@@ -96,12 +100,12 @@ def test_a_cold_engine_replays_earlier_turns_and_continues_bit_identically(tiny,
     from stages.generate_rollouts import generate_rollouts
 
     model, tokenizer = tiny
-    warm_engine = Engine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model))
+    warm_engine = HFEngine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode)
     uninterrupted = run_episodes(warm_engine, tokenizer, config)
     assert max(uninterrupted["turn"]) >= 1
     history = uninterrupted.filter(lambda row: row["turn"] == 0, keep_in_memory=True)
-    cold_engine = Engine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model))
-    resumed = generate_rollouts(
+    cold_engine = HFEngine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode)
+    resumed, replay = generate_rollouts(
         cold_engine,
         tokenizer,
         config=config.generation,
@@ -111,7 +115,7 @@ def test_a_cold_engine_replays_earlier_turns_and_continues_bit_identically(tiny,
         policy_version="in-memory",
         history=history,
     )
-    assert cold_engine.last_replay == {"turns": 1, "max_abs_logprob_difference": 0.0}
+    assert replay == {"turns": 1, "max_abs_logprob_difference": 0.0}
     expected = uninterrupted.filter(lambda row: row["turn"] == 1, keep_in_memory=True)
     assert resumed["completion_token_ids"] == expected["completion_token_ids"]
     assert resumed["completion_logprobs"] == expected["completion_logprobs"]  # bit-identical floats

@@ -179,3 +179,28 @@ def test_gae_with_kl_in_the_reward_and_lora_over_two_iterations(tmp_path):
     assert all(v is not None for v in metrics["value_loss"])
     curve, png = write_report(store)
     assert png.is_file() and len(curve.splitlines()) == 3
+
+
+def test_a_second_engine_plugs_in_by_name_without_touching_the_flow(first_run, tmp_path):
+    """An engine registered in ENGINES is selected by generation.engine: here the HF engine
+    re-encoding every turn (no KV reuse) gives the flow the same sampled tokens."""
+    from pipeline.flows import rl_training
+    from stages.generate_rollouts import ENGINES
+    from stages.generate_rollouts.hf import HFEngine
+
+    class ReEncodingEngine(HFEngine):
+        def sample(self, requests, sampling, forced=None):
+            self.reset()
+            return super().sample(requests, sampling, forced)
+
+    ENGINES["hf-re-encode"] = ReEncodingEngine.open
+    try:
+        config, (result,), store = first_run
+        other = config.with_overrides({"generation.engine": "hf-re-encode", "store.runs_dir": str(tmp_path)})
+        (again,) = rl_training(other)
+    finally:
+        del ENGINES["hf-re-encode"]
+    first = store.load("assign-rewards", result["versions"]["assign-rewards"])
+    second = Store(tmp_path).load("assign-rewards", again["versions"]["assign-rewards"])
+    assert again["versions"]["assign-rewards"] != result["versions"]["assign-rewards"]  # the engine is hashed
+    assert first["completion_token_ids"] == second["completion_token_ids"] and first["reward"] == second["reward"]

@@ -11,7 +11,7 @@ import torch
 from pipeline.evaluate import run_episodes
 from schemas.config import PPOConfig, RunConfig
 from schemas.features import COMPUTE_ADVANTAGES
-from stages.generate_rollouts import Engine
+from stages.generate_rollouts.hf import HFEngine
 from stages.policy import (
     ValueHead,
     collate,
@@ -156,7 +156,9 @@ def test_chunked_logprobs_equal_the_full_log_softmax_with_gradients():
 def rollouts(tiny):
     model, tokenizer = tiny
     config = RunConfig(task={"rollouts": 8, "group_size": 8, "max_turns": 3}, generation={"max_new_tokens": 64})
-    turns = run_episodes(Engine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model)), tokenizer, config)
+    turns = run_episodes(
+        HFEngine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode), tokenizer, config
+    )
     # Fixed advantages: +1 for even rollouts, 0 for odd ones; returns 1 for even ones.
     advantages = [
         [1.0 if r % 2 == 0 else 0.0] * len(c) for r, c in zip(turns["rollout_id"], turns["completion_token_ids"])

@@ -171,10 +171,10 @@ def evaluate(
     from pipeline.task_mix import task_turn_limits
     from schemas.config import RunConfig
     from stages.assign_rewards import rollout_metrics
-    from stages.generate_rollouts import Engine
+    from stages.generate_rollouts.hf import HFEngine
     from stages.policy import eos_token_ids
 
-    engine = Engine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model))
+    engine = HFEngine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode)
     results: dict[str, float] = {}
     for task in tasks:
         max_turns = {"calculator": 3, "guess-number": 50, "weather": 4}[task]

@@ -1,0 +1,125 @@
+"""generate-rollouts: one assistant turn for every active rollout, token in, token out.
+
+Each rollout's context is its exact token stream (docs/token-stream.md); the engine
+(`generation.engine`, engine.py; the HF engine in hf.py) samples the completions. Every
+sampled token is stored with its logprob under the convention
+
+    completion_logprobs[i] = log_softmax(logits / temperature)[token_i]
+
+taken before any top-k/top-p truncation, and each rollout turn has its own sampling seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import datasets
+
+from schemas.config import GenerationConfig
+from schemas.features import GENERATE_ROLLOUTS, FinishReason, dataset_from_rows
+from schemas.token_stream import generation_prompt_ids, prompt_token_ids, rollouts
+from stages.generate_rollouts import hf  # noqa: F401  (registers the "hf" engine)
+from stages.generate_rollouts.engine import ENGINES, Completion, GenerationEngine, Request, Sampling
+
+__all__ = ["ENGINES", "generate_rollouts", "sampling_seed", "split_thinking"]
+
+
+def sampling_seed(seed: int, iteration: int, rollout_id: int, turn: int) -> int:
+    """A 63-bit seed per rollout turn, independent of batch composition."""
+    digest = hashlib.sha256(f"{seed}/{iteration}/{rollout_id}/{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def split_thinking(text: str) -> tuple[str, str]:
+    """(thinking, content) of an assistant completion decoded without special tokens."""
+    if "</think>" not in text:
+        return "", text.strip()
+    thinking, content = text.rsplit("</think>", 1)
+    return thinking.split("<think>", 1)[-1].strip(), content.strip()
+
+
+def generate_rollouts(
+    engine: GenerationEngine,
+    tokenizer: Any,
+    *,
+    config: GenerationConfig,
+    seed: int,
+    iteration: int,
+    turn: int,
+    policy_version: str,
+    starts: list[dict[str, Any]] | None = None,
+    history: datasets.Dataset | None = None,
+) -> tuple[datasets.Dataset, dict[str, Any] | None]:
+    """One assistant turn for each active rollout, and how the engine replayed the earlier
+    turns first (None: it did not need to).
+
+    Turn 0 takes `starts` (rollout_id, group_id, task, task_id, task_payload, messages,
+    tools); later turns take `history`, the execute-tools rows of all earlier turns, and
+    continue the rollouts whose last row has no stop_reason.
+    """
+    rows: list[dict[str, Any]] = []
+    streams: list[list[int]] = []
+    if turn == 0:
+        for start in starts or []:
+            context = prompt_token_ids(tokenizer, start["messages"], start["tools"], config.enable_thinking)
+            rows.append({k: start[k] for k in ("rollout_id", "group_id", "task", "task_id", "task_payload")})
+            rows[-1].update(env_state="{}", context_token_ids=context)
+            streams.append(context)
+    else:
+        assert history is not None, "turns after the first continue from the execute-tools history"
+        full_streams = {rollout.rollout_id: rollout.token_ids for rollout in rollouts(history)}
+        last_rows = {}
+        for row in history.select_columns(
+            [
+                "rollout_id",
+                "group_id",
+                "task",
+                "task_id",
+                "task_payload",
+                "turn",
+                "stop_reason",
+                "next_stop",
+                "next_env_state",
+            ]
+        ):
+            if row["turn"] == turn - 1 and row["stop_reason"] is None:
+                last_rows[row["rollout_id"]] = row
+        context = generation_prompt_ids(tokenizer, config.enable_thinking)
+        for rollout_id in sorted(last_rows):
+            row = last_rows[rollout_id]
+            rows.append({k: row[k] for k in ("rollout_id", "group_id", "task", "task_id", "task_payload")})
+            rows[-1].update(
+                env_state=row["next_env_state"], context_token_ids=list(context), stop=tuple(row["next_stop"] or ())
+            )
+            streams.append(full_streams[rollout_id] + context)
+
+    requests = []
+    for row, stream in zip(rows, streams):
+        row["sampling_seed"] = sampling_seed(seed, iteration, row["rollout_id"], turn)
+        row["stream_offset"] = len(stream) - len(row["context_token_ids"])
+        row["failed"], row["failure"] = False, None
+        budget = min(config.max_new_tokens, config.max_context_tokens - len(stream), engine.max_model_len - len(stream))
+        if budget < 1:  # this rollout cannot be continued by this model: flagged, never scored
+            row["failed"], row["failure"] = True, f"generation: context of {len(stream)} tokens leaves no room"
+            continue
+        requests.append(Request(row["rollout_id"], stream, row["sampling_seed"], budget, row.pop("stop", ())))
+    sampling = Sampling(config.temperature, config.top_k, config.top_p)
+    generation = engine.generate(requests, sampling, earlier_turns=history)
+    completions = iter(generation.completions)
+
+    for row in rows:
+        row.pop("stop", None)
+        completion = Completion([], [], FinishReason.FAILED) if row["failed"] else next(completions)
+        thinking, content = split_thinking(tokenizer.decode(completion.token_ids, skip_special_tokens=True))
+        row.update(
+            iteration=iteration,
+            turn=turn,
+            policy_version=policy_version,
+            completion_token_ids=completion.token_ids,
+            completion_logprobs=completion.logprobs,
+            finish_reason=completion.finish_reason,
+            thinking=thinking,
+            content=content,
+        )
+    return dataset_from_rows(rows, GENERATE_ROLLOUTS), generation.replay

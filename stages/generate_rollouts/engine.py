@@ -1,0 +1,78 @@
+"""The generation-engine protocol: what generate-rollouts needs from an engine.
+
+Token ids in, token ids out: a request is a rollout's whole context as token ids, a completion
+is the sampled token ids with their logprobs under the convention
+
+    logprobs[i] = log_softmax(logits / temperature)[token_i], before top-k/top-p truncation,
+
+and a finish reason. An engine never returns text that mtrl would re-tokenize. Engines are
+opened for one policy checkpoint by name (`generation.engine`) from ENGINES; the HF engine
+(stages/generate_rollouts/hf.py) is the exact reference. See docs/extending.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import datasets
+
+from schemas.features import FinishReason
+
+
+@dataclass
+class Request:
+    key: int  # identifies the rollout whose KV cache may be reused
+    token_ids: list[int]  # the whole context the model sees
+    seed: int  # seed of this turn's private generator
+    max_new_tokens: int
+    stop: tuple[str, ...] = ()  # stop strings (besides the EOS tokens)
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+
+
+@dataclass
+class Generation:
+    completions: list[Completion]  # one per request, in order
+    # How the engine rebuilt its state from the earlier turns before generating (a resumed run):
+    # {"turns": ..., "max_abs_logprob_difference": ...}, or None when it did not need to.
+    replay: dict[str, Any] | None = None
+
+
+class GenerationEngine(Protocol):
+    max_model_len: int  # the longest context (prompt + completion) the model takes
+
+    def generate(
+        self, requests: Sequence[Request], sampling: Sampling, earlier_turns: datasets.Dataset | None = None
+    ) -> Generation:
+        """A completion for every request. `earlier_turns` are the rollouts' stored earlier turns
+        (execute-tools rows), for an engine that must rebuild its state to continue exactly."""
+        ...
+
+    def close(self) -> None:
+        """Free what the engine holds (weights, caches, a server)."""
+        ...
+
+
+# name -> open(model_dir, tokenizer, dtype, device): an engine serving that checkpoint
+ENGINES: dict[str, Callable[[str | Path, Any, str, str], GenerationEngine]] = {}
+
+
+def open_engine(name: str, model_dir: str | Path, tokenizer: Any, dtype: str, device: str) -> GenerationEngine:
+    if name not in ENGINES:
+        raise ValueError(f"unknown generation engine '{name}'; valid: {', '.join(sorted(ENGINES))}")
+    return ENGINES[name](model_dir, tokenizer, dtype, device)

@@ -1,0 +1,244 @@
+"""The HF engine: exact batched decoding over a Hugging Face causal LM, with every rollout's KV
+cache kept across turns, so a new turn prefills only its delta tokens (the last sampled token,
+the observation and the generation prompt) instead of re-encoding the whole history. Each
+rollout turn samples from its own seeded generator, so the same seed gives the same tokens
+whatever else is in the batch. It is the reference the other engines are checked against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from schemas.features import FinishReason
+from schemas.token_stream import rollouts
+from stages.generate_rollouts.engine import ENGINES, Completion, Generation, Request, Sampling
+from stages.policy import eos_token_ids, load_model
+
+
+def filter_logits(scaled_logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k then top-p truncation of temperature-scaled logits (removed entries -> -inf)."""
+    if top_k > 0 and top_k < scaled_logits.shape[-1]:
+        kth = torch.topk(scaled_logits, top_k, dim=-1).values[..., -1:]
+        scaled_logits = scaled_logits.masked_fill(scaled_logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled_logits, descending=True, dim=-1)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        remove_sorted = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses p
+        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+        scaled_logits = scaled_logits.masked_fill(remove, float("-inf"))
+    return scaled_logits
+
+
+class HFEngine:
+    """Batched decoding over a HF causal LM with a KV cache that survives between calls.
+
+    The cache holds one row per rollout of the previous call. When every request extends the
+    tokens its row already holds, those rows are kept (in the new order) and only the new
+    tokens are prefilled; otherwise the cache is rebuilt from the full contexts. Rows are
+    aligned by padding *between* segments (attention mask 0), with position ids counted over
+    real tokens only, so results equal unpadded per-rollout decoding.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pad_token_id: int,
+        eos_token_ids: Sequence[int],
+        decode: Callable[[list[int]], str] | None = None,
+    ):
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.pad_token_id = pad_token_id
+        self.eos_token_ids = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=self.device)
+        self.decode = decode  # token ids -> text: needed only for stop strings
+        self.max_model_len = getattr(model.config, "max_position_embeddings", None) or 10**9
+        self.reset()
+
+    @classmethod
+    def open(cls, model_dir: str | Path, tokenizer: Any, dtype: str, device: str) -> HFEngine:
+        model = load_model(model_dir, dtype, device)
+        return cls(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode)
+
+    def close(self) -> None:
+        self.reset()
+        self.model = None
+
+    def generate(
+        self, requests: Sequence[Request], sampling: Sampling, earlier_turns: datasets.Dataset | None = None
+    ) -> Generation:
+        """A completion for every request; a cache that cannot continue the requests (a resumed
+        run) is first rebuilt by replaying `earlier_turns`."""
+        replayed = None
+        if earlier_turns is not None and requests and not self.can_continue(requests):
+            replayed = {
+                "turns": len(set(earlier_turns["turn"])),
+                "max_abs_logprob_difference": self.replay(earlier_turns, sampling),
+            }
+        return Generation(self.sample(requests, sampling), replayed)
+
+    def reset(self) -> None:
+        self._cache: DynamicCache | None = None
+        self._mask: torch.Tensor | None = None  # [rows, cached length], 1 on real tokens
+        self._keys: list[int] = []
+        self._cached_tokens: list[list[int]] = []  # real tokens each row's cache holds
+
+    def can_continue(self, requests: Sequence[Request]) -> bool:
+        """Does the cache hold a prefix of every request (so only new tokens are prefilled)?"""
+        return self._reusable_rows(requests) is not None
+
+    def _reusable_rows(self, requests: Sequence[Request]) -> list[int] | None:
+        row_of = {key: row for row, key in enumerate(self._keys)}
+        rows = []
+        for request in requests:
+            row = row_of.get(request.key)
+            if row is None:
+                return None
+            cached = self._cached_tokens[row]
+            if len(cached) >= len(request.token_ids) or request.token_ids[: len(cached)] != cached:
+                return None
+            rows.append(row)
+        return rows
+
+    def _compact(self) -> None:
+        """Drop the masked columns (pads between segments) from the cache, keeping each row's
+        real tokens in order, right-aligned: the cache grows with real tokens only, not with
+        every turn's padding (which would make 50-turn rollouts quadratically slower)."""
+        real = self._mask.bool()
+        width = int(real.sum(-1).max())
+        if width == self._mask.shape[1]:
+            return
+        # For each row, the columns of its real tokens, right-aligned into `width` slots.
+        order = torch.sort(real.to(torch.int8), dim=-1, stable=True).indices[:, -width:]
+        for layer in self._cache.layers:
+            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys = layer.keys.gather(2, index)
+            layer.values = layer.values.gather(2, index)
+        self._mask = self._mask.gather(1, order)
+
+    def _forward(self, input_ids: torch.Tensor, new_mask: torch.Tensor) -> torch.Tensor:
+        """Append a block of tokens to every row; return the logits of the block's last column."""
+        mask = new_mask if self._mask is None else torch.cat([self._mask, new_mask], dim=1)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1] :]
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=self._cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self._cache, self._mask = out.past_key_values, mask
+        return out.logits[:, -1, :].float()
+
+    @torch.no_grad()
+    def sample(
+        self, requests: Sequence[Request], sampling: Sampling, forced: Sequence[Sequence[int]] | None = None
+    ) -> list[Completion]:
+        """Sample a completion for every request, one batch, continuing the cache when it can.
+
+        With `forced` the tokens are given instead of sampled (a replay): every forward pass
+        has the same shapes and inputs as when they were sampled, so the KV cache ends up
+        bit-identical and so do the logprobs, which are returned for checking."""
+        if not requests:
+            return []
+        if self.decode is None and any(request.stop for request in requests):
+            raise ValueError("stop strings need the engine's decode function (HFEngine(..., decode=tokenizer.decode))")
+        rows = self._reusable_rows(requests)
+        if rows is None:
+            self.reset()
+            self._cache = DynamicCache(config=self.model.config)
+            prefixes = [0] * len(requests)
+        else:
+            self._cache.batch_select_indices(torch.tensor(rows, device=self.device))
+            self._mask = self._mask[rows]
+            prefixes = [len(self._cached_tokens[row]) for row in rows]
+
+        # Prefill the new tokens of every row, left-padded so each row ends at the last column.
+        new_tokens = [r.token_ids[p:] for r, p in zip(requests, prefixes)]
+        width = max(len(t) for t in new_tokens)
+        block = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long)
+        block_mask = torch.zeros((len(requests), width), dtype=torch.long)
+        for i, tokens in enumerate(new_tokens):
+            block[i, width - len(tokens) :] = torch.tensor(tokens)
+            block_mask[i, width - len(tokens) :] = 1
+        logits = self._forward(block.to(self.device), block_mask.to(self.device))
+
+        generators = [torch.Generator(device=self.device).manual_seed(r.seed) for r in requests]
+        limits = [r.max_new_tokens for r in requests]
+        eos = set(self.eos_token_ids.tolist())
+        progress = tqdm(total=max(limits), desc="decode", unit="tok", leave=False, disable=None)
+        sampled: list[list[int]] = [[] for _ in requests]
+        logprobs: list[list[float]] = [[] for _ in requests]
+        finish: list[str | None] = [None] * len(requests)
+        while True:
+            scaled = logits / sampling.temperature
+            token_logprobs = torch.log_softmax(scaled, dim=-1)
+            if forced is None:
+                # Inverse-CDF sampling with one uniform per row from the row's own generator:
+                # vectorised, and a row's tokens do not depend on the rest of the batch.
+                probs = filter_logits(scaled, sampling.top_k, sampling.top_p).softmax(dim=-1)
+                uniforms = torch.stack([torch.rand((), generator=g, device=self.device) for g in generators])
+                cumulative = probs.cumsum(dim=-1)
+                tokens = torch.searchsorted(cumulative, (uniforms * cumulative[:, -1])[:, None])[:, 0]
+                tokens = tokens.clamp(max=probs.shape[-1] - 1)
+            else:
+                tokens = torch.tensor([f[min(len(s), len(f) - 1)] for f, s in zip(forced, sampled)], device=self.device)
+            chosen_logprobs = token_logprobs.gather(-1, tokens[:, None])[:, 0].tolist()
+            for i, token in enumerate(tokens.tolist()):
+                if finish[i] is not None:
+                    continue
+                sampled[i].append(token)
+                logprobs[i].append(chosen_logprobs[i])
+                if forced is not None:
+                    finish[i] = FinishReason.REPLAYED if len(sampled[i]) == len(forced[i]) else None
+                elif token in eos:
+                    finish[i] = FinishReason.STOP
+                elif requests[i].stop and any(stop in self.decode(sampled[i]) for stop in requests[i].stop):
+                    finish[i] = FinishReason.STOP_STRING
+                elif len(sampled[i]) >= limits[i]:
+                    finish[i] = FinishReason.LENGTH
+            progress.update()
+            if all(f is not None for f in finish):
+                break
+            # Feed the sampled tokens; rows that finished are masked out from here on.
+            active = torch.tensor([[f is None] for f in finish], dtype=torch.long, device=self.device)
+            logits = self._forward(tokens[:, None], active)
+
+        progress.close()
+        self._compact()
+        # The last sampled token of each row is not in the cache yet; it is fed next turn.
+        self._keys = [r.key for r in requests]
+        self._cached_tokens = [r.token_ids + s[:-1] for r, s in zip(requests, sampled)]
+        return [Completion(s, lp, f or FinishReason.LENGTH) for s, lp, f in zip(sampled, logprobs, finish)]
+
+    def replay(self, history: datasets.Dataset, sampling: Sampling) -> float:
+        """Rebuild the engine's cache by replaying the stored turns exactly as they were generated
+        (same batches, same forward passes, sampled tokens given). A resumed run then continues
+        with bit-identical numerics. Returns the max |replayed - stored| logprob (0 when exact)."""
+        columns = history.select_columns(["sampling_seed", "finish_reason", "completion_logprobs"]).to_dict()
+        earlier = rollouts(history)
+        worst = 0.0
+        self.reset()
+        for turn in sorted({t for rollout in earlier for t in rollout.turns}):
+            # the batch of that turn: its rollouts that generated, by rollout_id
+            batch = [(r, r.turns.index(turn)) for r in earlier if turn in r.turns]
+            batch = [(r, p) for r, p in batch if columns["finish_reason"][r.rows[p]] != FinishReason.FAILED]
+            requests = [
+                Request(r.rollout_id, r.stream_before(p), columns["sampling_seed"][r.rows[p]], 1) for r, p in batch
+            ]
+            forced = [r.token_ids[slice(*r.completion_spans[p])] for r, p in batch]
+            replayed = self.sample(requests, sampling, forced=forced)
+            for (r, p), completion in zip(batch, replayed):
+                for new, old in zip(completion.logprobs, columns["completion_logprobs"][r.rows[p]]):
+                    worst = max(worst, abs(new - old))
+        return worst
+
+
+ENGINES["hf"] = HFEngine.open
