@@ -118,7 +118,7 @@ class RewardConfig(Section):
         ge=-1e6,
         le=1e6,
         description="Final reward of a rollout whose turn ran past max_new_tokens without ending (as DAPO's "
-        "overlong penalty): below a natural end, so rambling never beats answering.",
+        "overlong penalty, arXiv:2503.14476): below a natural end, so rambling never beats answering.",
     )
 
 
