@@ -4,6 +4,7 @@ mtrl run [flags]                 RL iterations (defaults: the CPU demo on the em
 mtrl ls [--runs-dir DIR]         every stored version
 mtrl show STAGE/VERSION          a version's manifest and where its data is
 mtrl lineage STAGE/VERSION       its chain of parents back to the starting policy
+mtrl config [SECTION]            every config field: its --set name, type, default, range and meaning
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import shutil
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +24,7 @@ from pydantic import ValidationError
 from pipeline.report import write_report
 from pipeline.stage_table import STAGES
 from pipeline.store import Store, StoreError
-from schemas.config import RunConfig, deep_merge
+from schemas.config import ConfigField, RunConfig, config_fields, deep_merge
 from stages.policy import ModelError
 
 RUN_FLAGS = {  # flag -> (config field, type, help)
@@ -274,6 +277,66 @@ def command_lineage(args: argparse.Namespace) -> None:
         print(f"{manifest.stage}/{manifest.version}  {where}")
 
 
+CONFIG_DOCS_INTRO = """# Configuration
+
+Every field of the run configuration (`schemas/config.py`). Set a field in the YAML file given to `--config`
+(under its section) or with `--set NAME=VALUE`, which reads VALUE as JSON, else as a string: `--set ppo.clip_high=0.3`,
+`--set ppo.clip_ratio_c=null`, `--set task.name=guess-number`. The section `run` holds the top-level fields
+(`--set seed=1`). A range [a, b] includes its bounds, (a, b) excludes them.
+This file is generated: `mtrl config --format markdown > docs/config.md`."""
+
+
+def _by_section(fields: list[ConfigField]) -> dict[str, list[ConfigField]]:
+    """The fields grouped by section, sections in the order the config declares them."""
+    sections: dict[str, list[ConfigField]] = {}
+    for field in fields:
+        sections.setdefault(field.section, []).append(field)
+    return sections
+
+
+def config_table(fields: list[ConfigField], width: int) -> str:
+    """Plain text for a terminal: per section, a line of name, type, default and range, then the description."""
+    header = ("NAME", "TYPE", "DEFAULT", "RANGE")
+    rows = [header, *((f.name, f.type, f.default, f.range) for f in fields)]
+    widths = [max(len(cells[i]) for cells in rows) for i in range(3)]  # the last column, range, is not padded
+
+    def line(cells: tuple[str, ...]) -> str:
+        padded = [cell.ljust(column_width) for cell, column_width in zip(cells, widths)]
+        return "  " + "  ".join([*padded, cells[-1]]).rstrip()
+
+    lines = [line(header)]
+    for section, members in _by_section(fields).items():
+        lines += ["", section]
+        for field in members:
+            lines.append(line((field.name, field.type, field.default, field.range)))
+            lines += textwrap.wrap(field.description, width, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    return "\n".join(lines)
+
+
+def config_markdown(fields: list[ConfigField]) -> str:
+    """docs/config.md: the intro, then a table per section."""
+
+    def cell(text: str) -> str:  # a "|" would end the cell; "<think>" would be read as an HTML tag
+        return text.replace("|", "\\|").replace("<", "&lt;")
+
+    lines = [CONFIG_DOCS_INTRO]
+    for section, members in _by_section(fields).items():
+        lines += ["", f"## {section}", "", "| name | type | default | range | description |", "|---|---|---|---|---|"]
+        lines += [
+            f"| `{f.name}` | {cell(f.type)} | `{f.default}` | {cell(f.range)} | {cell(f.description)} |"
+            for f in members
+        ]
+    return "\n".join(lines)
+
+
+def command_config(args: argparse.Namespace) -> None:
+    fields = [f for f in config_fields() if args.section in (None, f.section)]
+    if args.format == "markdown":
+        print(config_markdown(fields))
+    else:
+        print(config_table(fields, width=min(shutil.get_terminal_size().columns, 100)))
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(
         prog="mtrl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -330,6 +393,11 @@ def parser() -> argparse.ArgumentParser:
     ls = commands.add_parser("ls", help="every stored version")
     ls.add_argument("--runs-dir", type=Path, default=Path("runs"))
     ls.set_defaults(handler=command_ls)
+    config = commands.add_parser("config", help="every config field: its --set name, type, default, range, meaning")
+    sections = list(dict.fromkeys(field.section for field in config_fields()))
+    config.add_argument("section", nargs="?", choices=sections, help="show this section only")
+    config.add_argument("--format", choices=["table", "markdown"], default="table", help="markdown: docs/config.md")
+    config.set_defaults(handler=command_config)
     return root
 
 

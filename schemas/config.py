@@ -8,8 +8,11 @@ version, so changing the estimator leaves rollouts cached.
 
 from __future__ import annotations
 
+import json
+import types
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -30,9 +33,11 @@ class Section(BaseModel):
 
 class ModelConfig(Section):
     path: str | None = Field(
-        None, description="Local HF causal-LM directory or hub id; empty means the embedded tiny model."
+        None, description="Local HF causal-LM directory or hub id; null means the embedded tiny model."
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype for generation.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Weights dtype for generation and evaluation (training and scoring use float32)."
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the policy runs; auto picks cuda if present."
     )
@@ -43,7 +48,9 @@ class TaskConfig(Section):
         "calculator",
         description="Environment, or a weighted mix: 'calculator', 'calculator,guess-number', 'calculator:3,weather:1'.",
     )
-    rollouts: int = Field(64, ge=1, le=100_000, description="Rollouts per iteration (tasks x group size).")
+    rollouts: int = Field(
+        64, ge=1, le=100_000, description="Rollouts per iteration (tasks x group size); a multiple of group_size."
+    )
     group_size: int = Field(
         8, ge=1, le=1024, description="Samples of the same task; group-relative baselines use them."
     )
@@ -100,16 +107,20 @@ class GenerationConfig(Section):
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature; logprobs use the same.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (1 = off).")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0 = off).")
-    max_new_tokens: int = Field(96, ge=1, le=65536, description="Tokens per assistant turn.")
-    max_context_tokens: int = Field(4096, ge=16, description="Context budget of a rollout; beyond it: truncated.")
-    enable_thinking: bool = Field(True, description="Chat template flag; False pre-fills an empty <think> block.")
+    max_new_tokens: int = Field(96, ge=1, le=65536, description="Most tokens generated in one assistant turn.")
+    max_context_tokens: int = Field(
+        4096, ge=16, description="Token budget of a whole rollout (prompt, turns, observations); beyond it: truncated."
+    )
+    enable_thinking: bool = Field(True, description="Chat template flag; false pre-fills an empty <think> block.")
 
 
 class ToolsConfig(Section):
-    timeout_s: float = Field(5.0, gt=0.0, le=3600.0, description="Wall-clock limit per tool call.")
-    max_output_chars: int = Field(2000, ge=16, description="Tool output beyond this is truncated (and marked).")
+    timeout_s: float = Field(5.0, gt=0.0, le=3600.0, description="Wall-clock limit per tool call, in seconds.")
+    max_output_chars: int = Field(
+        2000, ge=16, description="Tool output beyond this many characters is truncated (and marked)."
+    )
     sandbox: bool = Field(True, description="Run each call in its own killable process (else in a thread).")
-    memory_mb: int = Field(512, ge=16, description="Memory a sandboxed tool call may add.")
+    memory_mb: int = Field(512, ge=16, description="Memory a sandboxed tool call may add, in MB.")
 
 
 class RewardConfig(Section):
@@ -121,16 +132,22 @@ class RewardConfig(Section):
         ge=-1e6,
         le=1e6,
         description="Final reward of a rollout whose turn ran past max_new_tokens without ending (as DAPO's "
-        "overlong penalty): below a natural end, so rambling never beats answering.",
+        "overlong penalty, arXiv:2503.14476): below a natural end, so rambling never beats answering.",
     )
 
 
 class AdvantageConfig(Section):
-    estimator: str = Field("grpo", description="grpo | rloo | reinforce++ | reinforce++-baseline | gae")
-    normalize_by_std: bool = Field(True, description="GRPO: divide by the group std (False = Dr. GRPO).")
+    estimator: str = Field(
+        "grpo",
+        description="Advantage estimator: grpo, rloo, reinforce++, reinforce++-baseline, gae (with a value head), "
+        "or one a plugin registers.",
+    )
+    normalize_by_std: bool = Field(True, description="GRPO: divide by the group std (false = Dr. GRPO).")
     epsilon: float = Field(1e-6, gt=0.0, description="Added to a std before dividing by it.")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount per assistant token (gae, reinforce++).")
-    lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda.")
+    lam: float = Field(
+        0.95, ge=0.0, le=1.0, description="GAE lambda: 0 = one-step TD error, 1 = Monte Carlo return minus value."
+    )
     whiten_gae: bool = Field(True, description="GAE: whiten advantages over the batch.")
 
 
@@ -154,31 +171,47 @@ class PPOConfig(Section):
     gradient_checkpointing: bool = Field(
         False, description="Recompute layer activations in the backward pass (less memory, more compute)."
     )
-    clip_low: float = Field(0.2, ge=0.0, le=1.0, description="Ratio clip below 1 (epsilon_low).")
-    clip_high: float = Field(0.28, ge=0.0, le=10.0, description="Ratio clip above 1 (epsilon_high, clip-higher).")
-    clip_ratio_c: float | None = Field(3.0, gt=1.0, description="Dual clip for negative advantages (null = off).")
+    clip_low: float = Field(
+        0.2, ge=0.0, le=1.0, description="PPO ratio clip below 1: ratios under 1 - clip_low are clipped (epsilon_low)."
+    )
+    clip_high: float = Field(
+        0.28,
+        ge=0.0,
+        le=10.0,
+        description="PPO ratio clip above 1: ratios over 1 + clip_high are clipped "
+        "(epsilon_high; above clip_low = clip-higher).",
+    )
+    clip_ratio_c: float | None = Field(
+        3.0, gt=1.0, description="Dual clip: with a negative advantage A the token loss is at most -c*A (null = off)."
+    )
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
-        "token-mean", description="How per-token losses become one number."
+        "token-mean",
+        description="How per-token losses become one number: the mean over all tokens, the mean of the rollouts' "
+        "means, or the sum over tokens / (rollouts x loss_norm_tokens) (Dr. GRPO).",
     )
     loss_norm_tokens: int = Field(256, ge=1, description="seq-mean-token-sum-norm: the constant token normaliser.")
-    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient.")
+    entropy_coef: float = Field(
+        0.0, ge=0.0, description="Weight of the entropy bonus subtracted from the loss (0 = off)."
+    )
     kl_coef: float = Field(
         0.05,
         ge=0.0,
         description="KL to the reference (iteration-0) policy; 0 = off. It keeps the tool-call format that "
         "long rollouts otherwise erode.",
     )
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator (Schulman's k1, k2, k3).")
     kl_in: Literal["loss", "reward"] = Field("loss", description="Put the KL penalty in the loss or the reward.")
     value_coef: float = Field(0.5, ge=0.0, description="Value-loss coefficient (critic estimators such as gae).")
     value_clip: float | None = Field(0.2, gt=0.0, description="Clip range of the value loss (null = off).")
     recompute_old_logprobs: bool = Field(True, description="Old logprobs from a training forward pass (enables TIS).")
     tis_cap: float = Field(2.0, ge=1.0, description="Truncated importance sampling cap on pi_old / pi_generation.")
-    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping by global norm.")
-    logprob_chunk_tokens: int = Field(1024, ge=1, description="Tokens per chunk of the vocabulary projection.")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradients are clipped to this global L2 norm.")
+    logprob_chunk_tokens: int = Field(
+        1024, ge=1, description="Tokens per chunk of the vocabulary projection (bounds the memory of the logits)."
+    )
     autocast: Literal["auto", "bf16", "off"] = Field("auto", description="bf16 autocast; auto = on CUDA only.")
     lora_rank: int = Field(0, ge=0, le=1024, description="Train LoRA adapters of this rank (0 = full fine-tune).")
-    lora_alpha: float = Field(16.0, gt=0.0, description="LoRA alpha.")
+    lora_alpha: float = Field(16.0, gt=0.0, description="LoRA scale: adapter updates are multiplied by alpha / rank.")
     audit_rescore_fraction: float = Field(
         0.1, ge=0.0, le=1.0, description="Audit: share of rollouts re-scored by the stored policy."
     )
@@ -191,15 +224,15 @@ class StoreConfig(Section):
 
 class RunnerConfig(Section):
     kind: Literal["thread", "ray"] = Field("thread", description="Where tools and rewards run.")
-    max_workers: int = Field(8, ge=1, le=1024, description="Parallel tool calls.")
-    ray_address: str | None = Field(None, description="Ray cluster address; empty means a local in-process Ray.")
+    max_workers: int = Field(8, ge=1, le=1024, description="Rollouts whose tool calls run at the same time.")
+    ray_address: str | None = Field(None, description="Ray cluster address; null means a local in-process Ray.")
     shards: int = Field(
         1, ge=1, le=4096, description="With ray: Ray tasks that share one execute-tools stage's rows (tool calls)."
     )
 
 
 class RunConfig(Section):
-    """Everything one training run needs. `mtrl run --help` lists the CLI flags that set it."""
+    """Everything one training run needs: `mtrl run --help` lists its CLI flags, `mtrl config` every field."""
 
     seed: int = Field(0, ge=0, description="Seed of task sampling, generation and training.")
     iterations: int = Field(10, ge=1, le=100_000, description="RL iterations (`mtrl run`).")
@@ -247,3 +280,88 @@ class RunConfig(Section):
                 source, target = source[name], target.setdefault(name, {})
             target[field] = source[field]
         return picked
+
+
+@dataclass
+class ConfigField:
+    """One leaf field of the run config, as `mtrl config` and docs/config.md list it."""
+
+    name: str  # the dotted path that `--set` takes, e.g. "ppo.clip_low"
+    type: str  # e.g. "float", "int | null", "list[str]"
+    default: str  # as typed after `--set NAME=`
+    bounds: dict[str, float]  # pydantic's ge/gt/le/lt constraints, e.g. {"gt": 0.0, "le": 1.0}
+    choices: tuple[str, ...]  # the values of a Literal type, else empty
+    description: str
+
+    @property
+    def section(self) -> str:
+        """The top-level section; RunConfig's own fields (seed, iterations) form the section "run"."""
+        return self.name.split(".")[0] if "." in self.name else "run"
+
+    @property
+    def range(self) -> str:
+        """The choices "a | b", or the bounds as an interval such as "(0, 1]" or "[1, inf)"; "" when free."""
+        if self.choices:
+            return " | ".join(self.choices)
+        if not self.bounds:
+            return ""
+        b = self.bounds
+        low = f"[{_number(b['ge'])}" if "ge" in b else f"({_number(b['gt'])}" if "gt" in b else "(-inf"
+        high = f"{_number(b['le'])}]" if "le" in b else f"{_number(b['lt'])})" if "lt" in b else "inf)"
+        return f"{low}, {high}"
+
+
+BOUND_KINDS = ("ge", "gt", "le", "lt")  # the annotated_types constraints that Field(ge=..., ...) records
+
+
+def config_fields(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[ConfigField]:
+    """Every leaf field of `model`, in declaration order, descending into its section models."""
+    defaults = model().model_dump(mode="json")  # the values `with_overrides` replaces
+    fields: list[ConfigField] = []
+    for key, info in model.model_fields.items():
+        name = prefix + key
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+            fields += config_fields(info.annotation, f"{name}.")
+            continue
+        bounds = {kind: getattr(rule, kind) for rule in info.metadata for kind in BOUND_KINDS if hasattr(rule, kind)}
+        fields.append(
+            ConfigField(
+                name=name,
+                type=_type_name(info.annotation),
+                default=_value_text(defaults[key]),
+                bounds=bounds,
+                choices=tuple(map(str, get_args(info.annotation))) if get_origin(info.annotation) is Literal else (),
+                description=info.description or "",
+            )
+        )
+    return fields
+
+
+def _type_name(annotation: Any) -> str:
+    """A type as a YAML or `--set` user reads it: `int | None` -> "int | null", Path -> "path"."""
+    origin = get_origin(annotation)
+    if origin is Literal:
+        return " | ".join(dict.fromkeys(type(choice).__name__ for choice in get_args(annotation)))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(arg) for arg in get_args(annotation))
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_type_name(arg) for arg in get_args(annotation))}]"
+    if annotation is type(None):
+        return "null"
+    return "path" if annotation is Path else annotation.__name__
+
+
+def _value_text(value: Any) -> str:
+    """A JSON value as `--set` reads it back: JSON, except that a string goes unquoted."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return _number(value)
+    return json.dumps(value)
+
+
+def _number(value: float) -> str:
+    """The shortest exact text that is still JSON: 1e-06 -> 1e-6, 1e+06 -> 1e6, 3600.0 -> 3600."""
+    text = f"{value:g}" if float(f"{value:g}") == value else repr(value)
+    mantissa, _, exponent = text.partition("e")
+    return f"{mantissa}e{int(exponent)}" if exponent else mantissa

@@ -114,7 +114,9 @@ def discounted_returns(rewards: np.ndarray, gamma: float) -> np.ndarray:
 
 @register("grpo")
 def grpo(batch: AdvantageInputs, config: AdvantageConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """GRPO: (score - group mean) / (group std + eps); normalize_by_std=False is Dr. GRPO.
+    """GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300): (score - group mean) / (group std + eps).
+    normalize_by_std=False leaves out the division by the std: Dr. GRPO (Liu et al. 2025, "Understanding
+    R1-Zero-Like Training: A Critical Perspective", arXiv:2503.20783).
     A group of one has no baseline: its advantage is its score (as in verl)."""
     scores = batch.scores
     size, total, std = group_stats(scores, batch.group_ids)
@@ -127,7 +129,8 @@ def grpo(batch: AdvantageInputs, config: AdvantageConfig) -> tuple[list[np.ndarr
 
 @register("rloo")
 def rloo(batch: AdvantageInputs, config: AdvantageConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """RLOO: score minus the mean score of the *other* samples of the group."""
+    """RLOO (Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from
+    Human Feedback in LLMs", arXiv:2402.14740): score minus the mean score of the *other* samples of the group."""
     scores = batch.scores
     size, total, _ = group_stats(scores, batch.group_ids)
     advantages = np.where(size > 1, scores - (total - scores) / np.maximum(size - 1, 1), scores)
@@ -137,7 +140,8 @@ def rloo(batch: AdvantageInputs, config: AdvantageConfig) -> tuple[list[np.ndarr
 
 @register("reinforce++")
 def reinforce_plus_plus(batch: AdvantageInputs, config: AdvantageConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """REINFORCE++: discounted return of each token, whitened over the whole batch."""
+    """REINFORCE++ (Hu et al. 2025, arXiv:2501.03262): discounted return of each token, whitened over the
+    whole batch."""
     returns = [discounted_returns(r, config.gamma) for r in batch.token_rewards]
     return whiten(returns, config.epsilon), returns
 
@@ -146,7 +150,8 @@ def reinforce_plus_plus(batch: AdvantageInputs, config: AdvantageConfig) -> tupl
 def reinforce_plus_plus_baseline(
     batch: AdvantageInputs, config: AdvantageConfig
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """REINFORCE++ with the group mean as baseline, then whitened over the whole batch."""
+    """REINFORCE++-baseline (Hu et al. 2025, REINFORCE++, arXiv:2501.03262): the score minus its group's mean,
+    then whitened over the whole batch."""
     scores = batch.scores
     size, total, _ = group_stats(scores, batch.group_ids)
     centred = np.where(size > 1, scores - total / size, scores)
@@ -156,7 +161,8 @@ def reinforce_plus_plus_baseline(
 
 @register("gae", needs_values=True)
 def gae(batch: AdvantageInputs, config: AdvantageConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Generalised advantage estimation over assistant tokens with the critic's values:
+    """Generalised advantage estimation (Schulman et al. 2015, GAE, arXiv:1506.02438) over assistant tokens
+    with the critic's values:
     delta_t = r_t + gamma V_{t+1} - V_t (V after the last token = 0),
     A_t = delta_t + gamma lam A_{t+1}, returns_t = A_t + V_t."""
     assert batch.values is not None, "gae needs the critic's values"

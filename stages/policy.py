@@ -291,7 +291,9 @@ def score_rollouts(
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from the sampled tokens' logprobs:
-    k1 = log r, k2 = (log r)^2 / 2, k3 = (1/r - 1) + log r, with r = pi / pi_ref."""
+    k1 = log r, k2 = (log r)^2 / 2, k3 = (1/r - 1) + log r, with r = pi / pi_ref: the estimators
+    of John Schulman's blog post "Approximating KL Divergence" (2020, no arXiv id,
+    http://joschu.net/blog/kl-approx.html)."""
     log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
         return log_ratio

@@ -1,5 +1,6 @@
 """ppo-update: recompute logprobs under the current policy and optimise the clipped PPO
-objective on the tokens the policy sampled; write one metrics row per optimiser step.
+objective (Schulman et al. 2017, arXiv:1707.06347) on the tokens the policy sampled; write one
+metrics row per optimiser step.
 
 Read top to bottom:
   1. pure functions: the policy loss (clip-higher, dual clip), the value loss, the truncated
@@ -54,8 +55,11 @@ def policy_loss(
     clip_high: float,
     clip_ratio_c: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token clipped surrogate -A*ratio with the ratio clipped to [1-clip_low, 1+clip_high]
-    (clip-higher); dual clip bounds the loss of negative advantages by -A*clip_ratio_c.
+    """Per-token clipped surrogate -A*ratio with the ratio clipped to [1-clip_low, 1+clip_high]:
+    PPO (Schulman et al. 2017, arXiv:1707.06347), with a wider upper clip as DAPO's clip-higher
+    (Yu et al. 2025, arXiv:2503.14476). Dual clip (Ye et al. 2019, "Mastering Complex Control in
+    MOBA Games with Deep Reinforcement Learning", arXiv:1912.09729) bounds the loss of negative
+    advantages by -A*clip_ratio_c.
     Returns (loss per token, whether the clip was active per token)."""
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
@@ -72,7 +76,9 @@ def policy_loss(
 def value_loss(
     values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None
 ) -> torch.Tensor:
-    """Per-token 0.5 * (V - R)^2, optionally the max with the clipped version (PPO2 style)."""
+    """Per-token 0.5 * (V - R)^2, optionally the max with the clipped version: the value clipping of
+    OpenAI Baselines' PPO2, which the PPO paper does not describe (studied in Engstrom et al. 2020,
+    "Implementation Matters in Deep Policy Gradients", arXiv:2005.12729)."""
     loss = (values - returns) ** 2
     if clip is not None:
         clipped = old_values + torch.clamp(values - old_values, -clip, clip)
@@ -82,7 +88,9 @@ def value_loss(
 
 def truncated_is_weight(old_logprobs: torch.Tensor, generation_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
     """Truncated importance sampling weight min(pi_old / pi_generation, cap) per token: the
-    sampler's logprobs differ from the trainer's once weights or kernels differ."""
+    sampler's logprobs differ from the trainer's once weights or kernels differ. From Yao et al.
+    2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (a blog post,
+    no arXiv id, https://fengyao.notion.site/off-policy-rl)."""
     return torch.exp(old_logprobs - generation_logprobs).clamp(max=cap)
 
 
@@ -126,8 +134,11 @@ def aggregate(
 ) -> torch.Tensor:
     """This micro-batch's share of the mini-batch loss, so shares sum to the mini-batch value:
     token-mean                sum over tokens / tokens in the mini-batch
+                              (DAPO's token-level loss, Yu et al. 2025, arXiv:2503.14476)
     seq-mean-token-mean       sum over sequences of (mean over its tokens) / sequences
-    seq-mean-token-sum-norm   sum over tokens / (sequences * norm_tokens)   (Dr. GRPO)"""
+                              (GRPO's objective, Shao et al. 2024, arXiv:2402.03300)
+    seq-mean-token-sum-norm   sum over tokens / (sequences * norm_tokens)
+                              (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783)"""
     if mode == "token-mean":
         return per_token.sum() / minibatch_tokens
     if mode == "seq-mean-token-mean":

@@ -1,10 +1,15 @@
-"""The command line: one-line errors before any work, and the store commands."""
+"""The command line: one-line errors before any work, the store commands, and the listing of every config field."""
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 
-from pipeline.cli import main
+from pipeline.cli import UsageError, build_config, main, parser
+from schemas.config import ConfigField, RunConfig, config_fields
 
 
 @pytest.mark.parametrize(
@@ -74,3 +79,49 @@ def test_a_model_without_a_chat_template_is_refused(tmp_path, capsys):
     assert main(["run", "--runs-dir", str(runs), "--model", str(model)]) == 2
     assert "has no chat template" in capsys.readouterr().err
     assert not runs.exists() or not any(p.name != ".prefect" for p in runs.iterdir())
+
+
+def test_docs_config_md_is_what_mtrl_config_prints(capsys):
+    assert main(["config", "--format", "markdown"]) == 0
+    docs = Path(__file__).parents[1] / "docs" / "config.md"
+    assert docs.read_text() == capsys.readouterr().out, (
+        "docs/config.md is stale: regenerate it with `mtrl config --format markdown > docs/config.md`"
+    )
+
+
+def test_mtrl_config_lists_one_section(capsys):
+    assert main(["config", "ppo"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    row = next(i for i, line in enumerate(lines) if line.startswith("  ppo.clip_ratio_c "))
+    assert lines[row].split() == ["ppo.clip_ratio_c", "float", "|", "null", "3", "(1,", "inf)"]
+    assert lines[row + 1].strip().startswith("Dual clip:")
+    assert not any("task.rollouts" in line for line in lines)
+
+
+def _set(assignment: str) -> RunConfig:
+    return build_config(parser().parse_args(["run", "--set", assignment]))
+
+
+def test_every_listed_field_takes_its_listed_default_through_set():
+    fields = config_fields()
+    assert len({f.name for f in fields}) == len(fields) > 50
+    for field in fields:
+        assert field.description, f"{field.name} has no description"
+        assert _set(f"{field.name}={field.default}") == RunConfig(), field.name
+
+
+def _out_of_range(field: ConfigField) -> list[str]:
+    """A value just past each bound of the field, or one that is none of its choices."""
+    if field.choices:
+        return ["not-a-choice"]
+    past = {"ge": lambda b: b - 1, "gt": lambda b: b, "le": lambda b: b + 1, "lt": lambda b: b}
+    return [json.dumps(past[kind](bound)) for kind, bound in field.bounds.items()]
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [(f.name, value) for f in config_fields() for value in _out_of_range(f)],
+)
+def test_a_value_past_a_fields_range_is_refused_naming_the_field(name, value):
+    with pytest.raises(UsageError, match=rf"^invalid config: {re.escape(name)}: Input should be"):
+        _set(f"{name}={value}")
