@@ -62,6 +62,7 @@ def run(runner: str, args: argparse.Namespace, workdir: Path) -> dict:
     """runner: `thread`, or `ray:N` for the ray runner with execute-tools split over N Ray tasks."""
     from pipeline.flows import import_base_policy, rl_iteration
     from pipeline.runners import stage_runner
+    from pipeline.stage_table import POLICY
     from pipeline.store import Store
     from schemas.config import RunConfig
 
@@ -82,17 +83,16 @@ def run(runner: str, args: argparse.Namespace, workdir: Path) -> dict:
             result = rl_iteration(config, iteration=iteration, policy_version=policy)
             wall = time.perf_counter() - began
             policy = result["next_policy"]
-            versions = [("execute-tools", v) for v in result["versions"]["execute-tools"]]
-            versions += [(s, result["versions"][s]) for s in ("assign-rewards", "compute-advantages", "ppo-update")]
-            generated = [store.manifest("execute-tools", v).parents["generate-rollouts"] for _, v in versions[:-3]]
-            versions += [("generate-rollouts", v) for v in generated]
-            compute = sum(store.manifest(stage, version).wall_s for stage, version in versions)
+            # every stage version of the iteration: the part of its lineage that has this iteration
+            lineage = store.lineage("ppo-update", result["versions"]["ppo-update"])
+            stages = [m for m in lineage if m.stage != POLICY and m.iteration == iteration]
+            compute = sum(m.wall_s for m in stages)
             iterations.append(
                 {
                     "iteration_s": round(wall, 2),
                     "stage_compute_s": round(compute, 2),
                     "remainder_s": round(wall - compute, 2),
-                    "task_runs": len(versions),
+                    "task_runs": len(stages),
                     "reward_mean": result["metrics"]["reward_mean"],
                 }
             )

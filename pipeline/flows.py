@@ -119,10 +119,13 @@ def stage_task(stage: str) -> Callable[[Callable[..., tuple[datasets.Dataset, di
                 raise ValueError(f"{stage} does not read {sorted(unexpected)}; its inputs: {table.inputs}")
             started = time.time()
             dataset, fields = compute(store, config, parents, **(position or {}))
+            # the iteration its rows belong to: its position, or its input dataset's
+            inherited = [store.manifest(name, parent).iteration for name, parent in parents.items() if name in STAGES]
             manifest = {
                 "parents": parents,
                 "config": table.recorded_config(config),
                 "derived": table.derived_values(config),
+                "iteration": inherited[0] if inherited else None,
                 **(position or {}),
                 "code_version": table.code_version,
                 "tokens": token_counts(dataset),
