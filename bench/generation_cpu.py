@@ -32,11 +32,11 @@ class TimedEngine(HFEngine):
         super().__init__(*args, **kwargs)
         self.re_encode, self.seconds, self.tokens = re_encode, 0.0, 0
 
-    def sample(self, requests, sampling, forced=None):
+    def sample(self, requests, sampling, forced=None, report_progress=None):
         if self.re_encode:
             self.reset()
         started = time.perf_counter()
-        completions = super().sample(requests, sampling, forced)
+        completions = super().sample(requests, sampling, forced, report_progress)
         self.seconds += time.perf_counter() - started
         self.tokens += sum(len(c.token_ids) for c in completions)
         return completions

@@ -3,6 +3,7 @@ functions the flow runs (`mtrl eval`, the embedded model's build, tests, noteboo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import datasets
@@ -23,6 +24,7 @@ def generate_turn(
     turn: int,
     policy_version: str,
     history: datasets.Dataset | None,
+    report_progress: Callable[[float], None] | None = None,
 ) -> tuple[datasets.Dataset, dict[str, Any] | None]:
     """generate-rollouts for one turn, configured by the run config (and the engine's replay)."""
     return generate_rollouts.generate_rollouts(
@@ -35,6 +37,7 @@ def generate_turn(
         policy_version=policy_version,
         starts=rollout_starts(config, iteration) if turn == 0 else None,
         history=history,
+        report_progress=report_progress,
     )
 
 

@@ -20,16 +20,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import datasets
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from pipeline.artifacts import generation_progress, ppo_progress, publish_stage, publish_summary, turn_progress
 from pipeline.audit import audit_before_training
 from pipeline.evaluate import execute_turn, generate_turn
 from pipeline.memory import peak_memory
 from pipeline.models import resolve_model_dir
-from pipeline.report import write_report
 from pipeline.runners import map_row_shards, stage_runner
 from pipeline.stage_table import POLICY, STAGES
 from pipeline.store import Store, file_digests, version_key
@@ -108,7 +108,11 @@ def stage_task(stage: str) -> Callable[[Callable[..., tuple[datasets.Dataset, di
 
     def decorate(compute: Callable[..., tuple[datasets.Dataset, dict[str, Any]]]) -> Any:
         def write_version(
-            config: RunConfig, version: str, parents: dict[str, str], position: dict[str, int] | None = None
+            config: RunConfig,
+            version: str,
+            parents: dict[str, str],
+            position: dict[str, int] | None = None,
+            progress_artifact: UUID | None = None,
         ) -> str:
             store = Store(config.store.runs_dir)
             if store.exists(stage, version):
@@ -118,7 +122,9 @@ def stage_task(stage: str) -> Callable[[Callable[..., tuple[datasets.Dataset, di
             if unexpected:
                 raise ValueError(f"{stage} does not read {sorted(unexpected)}; its inputs: {table.inputs}")
             started = time.time()
-            dataset, fields = compute(store, config, parents, **(position or {}))
+            # generation updates the iteration's progress bar, which outlives its task runs
+            progress = {"progress_artifact": progress_artifact} if progress_artifact else {}
+            dataset, fields = compute(store, config, parents, **(position or {}), **progress)
             # the iteration its rows belong to: its position, or its input dataset's
             inherited = [store.manifest(name, parent).iteration for name, parent in parents.items() if name in STAGES]
             manifest = {
@@ -149,22 +155,13 @@ def stage_task(stage: str) -> Callable[[Callable[..., tuple[datasets.Dataset, di
     return decorate
 
 
-def publish_stage(store: Store, stage: str, version: str) -> None:
-    """A Prefect table artifact per stage version: rows, tokens, wall time and its metrics."""
-    manifest = store.manifest(stage, version)
-    table = {"version": version, "rows": manifest.rows, "wall_s": manifest.wall_s, **manifest.tokens}
-    for name, value in {**manifest.metrics, **manifest.extra("tool_failures", {})}.items():
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            table[name] = round(value, 4) if isinstance(value, float) else value
-    create_table_artifact(key=stage, table=[table], description=f"{stage}/{version} in {store.root}")
-
-
 def run_stage(
     prefect_task: Any,
     config: RunConfig,
     parents: dict[str, str],
     position: dict[str, int] | None = None,
     runner: Any | None = None,
+    progress_artifact: UUID | None = None,
 ) -> str:
     """Run a stage task on these inputs (in this process, or on `runner` for the stages the
     table marks distributed); its version is known before it runs."""
@@ -177,6 +174,8 @@ def run_stage(
         result_storage=store.root / ".prefect" / "results",
     )
     parameters = {"config": config, "version": version, "parents": parents, "position": position}
+    if progress_artifact is not None:
+        parameters["progress_artifact"] = progress_artifact
     if runner is not None and STAGES[stage].distributed:
         return runner.submit(configured, parameters).result()
     return configured(**parameters)
@@ -189,7 +188,7 @@ def load_turns(store: Store, tools_version: str) -> datasets.Dataset:
 
 @stage_task("generate-rollouts")
 def generate_rollouts_task(
-    store: Store, config: RunConfig, parents: dict[str, str], iteration: int, turn: int
+    store: Store, config: RunConfig, parents: dict[str, str], iteration: int, turn: int, progress_artifact: UUID
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
     policy_version, previous = parents[POLICY], parents.get("execute-tools")
     tokenizer = cached_tokenizer(str(store.policy_dir(policy_version)))
@@ -202,6 +201,7 @@ def generate_rollouts_task(
         turn=turn,
         policy_version=policy_version,
         history=history,
+        report_progress=turn_progress(progress_artifact, iteration, turn, turn_limit(config)),
     )
     provenance = {
         "sampling": config.generation.model_dump(mode="json") | {"seed": config.seed},
@@ -298,6 +298,7 @@ def ppo_update_task(
             temperature=config.generation.temperature,
             seed=config.seed + iteration,
             device=config.model.device,
+            report_progress=ppo_progress(iteration),
         )
     version = stage_version(config, "ppo-update", parents, {"iteration": iteration})
     next_policy = version_key(POLICY, POLICY_CODE_VERSION, {}, {"ppo-update": version})
@@ -331,16 +332,19 @@ def rl_iteration(config: RunConfig, iteration: int | None = None, policy_version
             iteration = store.manifest(POLICY, policy_version).iteration + 1
 
         previous: str | None = None  # the execute-tools version of the last turn
+        generation = generation_progress(iteration, turn_limit(config))
         for turn in range(turn_limit(config)):
             generated = run_stage(
                 generate_rollouts_task,
                 config,
                 {POLICY: policy_version, **({"execute-tools": previous} if previous else {})},
                 position={"iteration": iteration, "turn": turn},
+                progress_artifact=generation.artifact_id,
             )
             previous = run_stage(execute_tools_task, config, {"generate-rollouts": generated}, runner=runner)
             if store.manifest("execute-tools", previous).active == 0:
                 break
+        generation.finish(f"iteration {iteration}: all rollouts stopped after {turn + 1} turn(s)")
         rewarded = run_stage(assign_rewards_task, config, {"execute-tools": previous}, runner=runner)
         advantaged = run_stage(compute_advantages_task, config, advantage_parents(config, store, rewarded))
         updated = run_stage(ppo_update_task, config, *update_parents(store, advantaged))
@@ -396,13 +400,3 @@ def rerun_stage(config: RunConfig, stage: str, source: str) -> str:
         if stage == "compute-advantages":
             return run_stage(compute_advantages_task, config, advantage_parents(config, store, source_version))
         return run_stage(ppo_update_task, config, *update_parents(store, source_version))
-
-
-def publish_summary(store: Store, policy_version: str) -> None:
-    """The learning curve so far, as a Prefect markdown artifact and a PNG in the runs dir."""
-    curve, png = write_report(store, policy_version=policy_version)
-    create_markdown_artifact(
-        key="rl-iteration-summary",
-        markdown=f"## mtrl learning curve\n\n```\n{curve}\n```\n\nPlot: `{png}`\n\nStore: `{store.root}`",
-        description="success, reward, turns and training metrics per iteration",
-    )

@@ -7,6 +7,7 @@ time its stages took.
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -69,11 +70,26 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> Path:
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The same table in GitHub-flavoured markdown (what the Prefect UI renders as a table)."""
+    headers = [title.replace("|", "\\|") for _, title, _, _ in COLUMNS]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---:|" * len(COLUMNS)]
+    for row in rows:
+        cells = ["-" if row.get(key) is None else f"{row[key]:.{decimals}f}" for key, _, _, decimals in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+PLOT_COLORS = 64  # a palette PNG: about a third of the bytes of a full-colour one, and looks the same
+
+
+def plot_png(rows: list[dict[str, Any]]) -> bytes:
+    """The learning curve as PNG bytes, small enough to embed in every iteration's summary."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from PIL import Image
 
     x = [row["iteration"] for row in rows]
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -92,16 +108,25 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     right.set(xlabel="iteration", title="episode length")
     right.legend()
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
+    rendered = io.BytesIO()
+    figure.savefig(rendered, dpi=100, format="png")
     plt.close(figure)
-    return path
+    palette = Image.open(rendered).convert("RGB").quantize(colors=PLOT_COLORS)
+    compressed = io.BytesIO()
+    palette.save(compressed, format="PNG", optimize=True)
+    return compressed.getvalue()
+
+
+def write_files(rows: list[dict[str, Any]], out_dir: Path) -> Path:
+    """learning_curve.png and summary.json in out_dir; returns the PNG's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png = out_dir / "learning_curve.png"
+    png.write_bytes(plot_png(rows))
+    (out_dir / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+    return png
 
 
 def write_report(store: Store, out_dir: Path | None = None, policy_version: str | None = None) -> tuple[str, Path]:
     """Print-ready table; writes learning_curve.png and summary.json into out_dir."""
     rows = iterations(store, policy_version)
-    out_dir = out_dir or store.root / "report"
-    png = plot(rows, out_dir / "learning_curve.png")
-    (out_dir / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
-    return table(rows), png
+    return table(rows), write_files(rows, out_dir or store.root / "report")

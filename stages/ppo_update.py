@@ -18,6 +18,7 @@ Convention: logprob = log_softmax(logits / temperature)[token], as at generation
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,12 +206,14 @@ def ppo_update(
     seed: int,
     value_head: ValueHead | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    report_progress: Callable[[float], None] | None = None,
 ) -> list[dict[str, float]]:
     """Optimise `model` (and `value_head`, when given) in place on one iteration's rollouts.
     `optimizer` (from build_optimizer, with the previous iteration's state loaded) continues
     one AdamW across iterations, as TRL and verl do; without it a fresh one is built, whose
     first steps move every parameter by about the learning rate (Adam's bias correction), noise
-    included. Returns one metrics dict per optimiser step."""
+    included. `report_progress` is called after every optimiser step with the share of the
+    steps done. Returns one metrics dict per optimiser step."""
     torch.manual_seed(seed)
     device = next(model.parameters()).device
     sequences = [s for s in rollout_sequences(turns) if s.target_positions]
@@ -305,6 +308,8 @@ def ppo_update(
                 }
             )
             progress.update()
+            if report_progress is not None:
+                report_progress(len(metrics) / n_steps)
     progress.close()
     if config.gradient_checkpointing:
         model.gradient_checkpointing_disable()
@@ -348,6 +353,7 @@ def train_policy(
     temperature: float,
     seed: int,
     device: str,
+    report_progress: Callable[[float], None] | None = None,
 ) -> TrainedPolicy:
     """ppo-update: load the policy that generated `turns` (the compute-advantages rows) with its
     value head and AdamW state, optimise it on them, and return it ready to save.
@@ -377,6 +383,7 @@ def train_policy(
         seed=seed,
         value_head=value_head,
         optimizer=optimizer,
+        report_progress=report_progress,
     )
     if config.lora_rank > 0:
         model = model.merge_and_unload()

@@ -16,9 +16,9 @@ from stages.policy import eos_token_ids
 class ColdEngine(HFEngine):
     """The reference path: no KV reuse, every turn re-encodes the whole context."""
 
-    def sample(self, requests, sampling, forced=None):
+    def sample(self, requests, sampling, forced=None, report_progress=None):
         self.reset()
-        return super().sample(requests, sampling, forced)
+        return super().sample(requests, sampling, forced, report_progress)
 
 
 @pytest.fixture(scope="module")

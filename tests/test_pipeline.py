@@ -60,6 +60,36 @@ def test_every_stage_writes_a_versioned_dataset_with_a_manifest(first_run):
     assert trained.config.model_type == "qwen3"
 
 
+def test_the_flow_run_shows_the_plot_a_table_and_finished_progress_bars(first_run):
+    """Read back through Prefect's API: the summary embeds the plot as a PNG data URL above a
+    markdown table, and generation and ppo-update each left a progress artifact at 100 %."""
+    import base64
+    import re
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    _, _, store = first_run
+    with get_client(sync_client=True) as client:
+        summaries = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["rl-iteration-summary"])),
+            sort=ArtifactSort.CREATED_DESC,
+        )
+        # the first run on this store: later tests run it again, cached stages publish no progress
+        summary = [a for a in summaries if str(store.root) in a.data][-1]
+        progress = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[summary.flow_run_id]))
+        )
+    image = re.search(r"!\[[^]]*\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", summary.data)
+    assert image and base64.b64decode(image.group(1)).startswith(b"\x89PNG\r\n\x1a\n")
+    assert len(image.group(1)) < 100_000  # embedded in every iteration's summary: kept small
+    assert "\n| iter | success | reward |" in summary.data and "\n|---:|" in summary.data
+    assert re.search(r"\n\| 0 \| [0-9.]+ \|", summary.data)  # iteration 0's row
+    bars = {a.key: a.data for a in progress if a.type == "progress"}
+    assert bars == {"generate-rollouts-progress": 100.0, "ppo-update-progress": 100.0}
+
+
 def test_token_streams_reproduce_what_the_model_saw(first_run, tiny):
     """Concatenating context + completion + observation per turn gives the model's context:
     turn 0 starts with the rendered prompt, later turns with the template's deltas, and the
@@ -189,9 +219,9 @@ def test_a_second_engine_plugs_in_by_name_without_touching_the_flow(first_run, t
     from stages.generate_rollouts.hf import HFEngine
 
     class ReEncodingEngine(HFEngine):
-        def sample(self, requests, sampling, forced=None):
+        def sample(self, requests, sampling, forced=None, report_progress=None):
             self.reset()
-            return super().sample(requests, sampling, forced)
+            return super().sample(requests, sampling, forced, report_progress)
 
     ENGINES["hf-re-encode"] = ReEncodingEngine.open
     try:

@@ -12,6 +12,7 @@ taken before any top-k/top-p truncation, and each rollout turn has its own sampl
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 import datasets
@@ -50,13 +51,15 @@ def generate_rollouts(
     policy_version: str,
     starts: list[dict[str, Any]] | None = None,
     history: datasets.Dataset | None = None,
+    report_progress: Callable[[float], None] | None = None,
 ) -> tuple[datasets.Dataset, dict[str, Any] | None]:
     """One assistant turn for each active rollout, and how the engine replayed the earlier
     turns first (None: it did not need to).
 
     Turn 0 takes `starts` (rollout_id, group_id, task, task_id, task_payload, messages,
     tools); later turns take `history`, the execute-tools rows of all earlier turns, and
-    continue the rollouts whose last row has no stop_reason.
+    continue the rollouts whose last row has no stop_reason. `report_progress` receives the
+    share of the turn decoded so far.
     """
     rows: list[dict[str, Any]] = []
     streams: list[list[int]] = []
@@ -105,7 +108,7 @@ def generate_rollouts(
             continue
         requests.append(Request(row["rollout_id"], stream, row["sampling_seed"], budget, row.pop("stop", ())))
     sampling = Sampling(config.temperature, config.top_k, config.top_p)
-    generation = engine.generate(requests, sampling, earlier_turns=history)
+    generation = engine.generate(requests, sampling, earlier_turns=history, report_progress=report_progress)
     completions = iter(generation.completions)
 
     for row in rows:

@@ -57,10 +57,15 @@ class GenerationEngine(Protocol):
     max_model_len: int  # the longest context (prompt + completion) the model takes
 
     def generate(
-        self, requests: Sequence[Request], sampling: Sampling, earlier_turns: datasets.Dataset | None = None
+        self,
+        requests: Sequence[Request],
+        sampling: Sampling,
+        earlier_turns: datasets.Dataset | None = None,
+        report_progress: Callable[[float], None] | None = None,
     ) -> Generation:
         """A completion for every request. `earlier_turns` are the rollouts' stored earlier turns
-        (execute-tools rows), for an engine that must rebuild its state to continue exactly."""
+        (execute-tools rows), for an engine that must rebuild its state to continue exactly;
+        `report_progress`, when given, is called with the share of the work done (0 to 1)."""
         ...
 
     def close(self) -> None:

@@ -71,7 +71,11 @@ class HFEngine:
         self.model = None
 
     def generate(
-        self, requests: Sequence[Request], sampling: Sampling, earlier_turns: datasets.Dataset | None = None
+        self,
+        requests: Sequence[Request],
+        sampling: Sampling,
+        earlier_turns: datasets.Dataset | None = None,
+        report_progress: Callable[[float], None] | None = None,
     ) -> Generation:
         """A completion for every request; a cache that cannot continue the requests (a resumed
         run) is first rebuilt by replaying `earlier_turns`."""
@@ -81,7 +85,7 @@ class HFEngine:
                 "turns": len(set(earlier_turns["turn"])),
                 "max_abs_logprob_difference": self.replay(earlier_turns, sampling),
             }
-        return Generation(self.sample(requests, sampling), replayed)
+        return Generation(self.sample(requests, sampling, report_progress=report_progress), replayed)
 
     def reset(self) -> None:
         self._cache: DynamicCache | None = None
@@ -139,9 +143,15 @@ class HFEngine:
 
     @torch.no_grad()
     def sample(
-        self, requests: Sequence[Request], sampling: Sampling, forced: Sequence[Sequence[int]] | None = None
+        self,
+        requests: Sequence[Request],
+        sampling: Sampling,
+        forced: Sequence[Sequence[int]] | None = None,
+        report_progress: Callable[[float], None] | None = None,
     ) -> list[Completion]:
         """Sample a completion for every request, one batch, continuing the cache when it can.
+        `report_progress` gets the share of the token budget (the longest max_new_tokens)
+        decoded so far after every token, and 1.0 when all rows stop.
 
         With `forced` the tokens are given instead of sampled (a replay): every forward pass
         has the same shapes and inputs as when they were sampled, so the KV cache ends up
@@ -205,7 +215,10 @@ class HFEngine:
                 elif len(sampled[i]) >= limits[i]:
                     finish[i] = FinishReason.LENGTH
             progress.update()
-            if all(f is not None for f in finish):
+            finished = all(f is not None for f in finish)
+            if report_progress is not None:
+                report_progress(1.0 if finished else max(map(len, sampled)) / max(limits))
+            if finished:
                 break
             # Feed the sampled tokens; rows that finished are masked out from here on.
             active = torch.tensor([[f is None] for f in finish], dtype=torch.long, device=self.device)
