@@ -36,8 +36,7 @@ from pipeline.store import Store, file_digests, version_key
 from pipeline.task_mix import load_plugins, task_turn_limits, turn_limit
 from schemas.config import RunConfig
 from schemas.features import PPO_UPDATE, dataset_from_rows, token_counts
-from schemas.token_stream import CONTEXT_CONVENTION, chat_template_hash
-from stages import assign_rewards, compute_advantages, execute_tools, ppo_update
+from stages import assign_rewards, compute_advantages, execute_tools, generate_rollouts, ppo_update
 from stages.environments import ENVIRONMENTS
 from stages.generate_rollouts.engine import GenerationEngine, open_engine
 from stages.policy import load_tokenizer
@@ -203,12 +202,7 @@ def generate_rollouts_task(
         history=history,
         report_progress=turn_progress(progress_artifact, iteration, turn, turn_limit(config)),
     )
-    provenance = {
-        "sampling": config.generation.model_dump(mode="json") | {"seed": config.seed},
-        "logprob_convention": "log_softmax(logits / temperature) of the sampled token, before top-k/top-p",
-        "context_convention": CONTEXT_CONVENTION,
-        "chat_template_sha256": chat_template_hash(tokenizer),
-    }
+    provenance = generate_rollouts.provenance(config.generation, config.seed, tokenizer)
     # a cold engine (a resumed run) replays the earlier turns first; 0.0 means bit-identical
     return dataset, {"provenance": provenance, "replay": replay}
 
@@ -227,14 +221,7 @@ def execute_tools_task(
     turns = store.load("generate-rollouts", parents["generate-rollouts"])
     policy_version = store.manifest("generate-rollouts", parents["generate-rollouts"]).parents[POLICY]
     dataset = map_row_shards(execute_shard, turns, config.runner, str(store.policy_dir(policy_version)), config)
-    stops = dataset["stop_reason"]
-    return dataset, {
-        "turn": turns[0]["turn"] if len(turns) else None,
-        "active": sum(s is None for s in stops),
-        "stop_reasons": {s: stops.count(s) for s in sorted(set(stops) - {None})},
-        "tool_failures": execute_tools.failure_counts(dataset),
-        "tools": sorted(execute_tools.TOOLS),
-    }
+    return dataset, {"turn": turns[0]["turn"] if len(turns) else None, **execute_tools.turn_summary(dataset)}
 
 
 @stage_task("assign-rewards")

@@ -61,3 +61,22 @@ def test_lineage_config_merges_the_fields_each_ancestor_recorded(tmp_path):
     }
     config = RunConfig.model_validate(merged)
     assert config.ppo.kl_coef == 0.1 and config.ppo.kl_in == "loss" and config.advantage.estimator == "rloo"
+
+
+def test_reading_the_store_does_not_import_prefect(tmp_path):
+    """mtrl ls/show/lineage answer from the manifests alone: Prefect is not even imported."""
+    import subprocess
+    import sys
+
+    store = Store(tmp_path)
+    rows = datasets.Dataset.from_dict({"x": [1]})
+    store.write("assign-rewards", "a1", lambda tmp: rows.save_to_disk(str(tmp)) or {}, {"iteration": 0})
+    code = (
+        "import sys; from pipeline.cli import main\n"
+        f"for command in (['ls'], ['show', 'assign-rewards/a1'], ['lineage', 'assign-rewards/a1']):\n"
+        f"    assert main([*command, '--runs-dir', {str(tmp_path)!r}]) == 0\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'prefect'))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"

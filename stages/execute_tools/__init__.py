@@ -44,6 +44,7 @@ __all__ = [
     "parse_tool_calls",
     "run_tool_calls",
     "tool_schema",
+    "turn_summary",
     "validate_arguments",
 ]
 
@@ -160,6 +161,18 @@ def execute_tools(
             )
         )
     return dataset_from_rows([{**row, **out} for row, out in zip(rows, outputs)], EXECUTE_TOOLS)
+
+
+def turn_summary(dataset: datasets.Dataset) -> dict[str, Any]:
+    """What the manifest of a turn records: rollouts still going on, why the others stopped,
+    tool failures by kind and the registered tools."""
+    stops = dataset["stop_reason"]
+    return {
+        "active": sum(stop is None for stop in stops),
+        "stop_reasons": {stop: stops.count(stop) for stop in sorted(set(stops) - {None})},
+        "tool_failures": failure_counts(dataset),
+        "tools": sorted(TOOLS),
+    }
 
 
 def failure_counts(dataset: datasets.Dataset) -> dict[str, int]:

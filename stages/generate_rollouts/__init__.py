@@ -19,11 +19,17 @@ import datasets
 
 from schemas.config import GenerationConfig
 from schemas.features import GENERATE_ROLLOUTS, FinishReason, dataset_from_rows
-from schemas.token_stream import generation_prompt_ids, prompt_token_ids, rollouts
+from schemas.token_stream import (
+    CONTEXT_CONVENTION,
+    chat_template_hash,
+    generation_prompt_ids,
+    prompt_token_ids,
+    rollouts,
+)
 from stages.generate_rollouts import hf  # noqa: F401  (registers the "hf" engine)
 from stages.generate_rollouts.engine import ENGINES, Completion, GenerationEngine, Request, Sampling
 
-__all__ = ["ENGINES", "generate_rollouts", "sampling_seed", "split_thinking"]
+__all__ = ["ENGINES", "generate_rollouts", "provenance", "sampling_seed", "split_thinking"]
 
 
 def sampling_seed(seed: int, iteration: int, rollout_id: int, turn: int) -> int:
@@ -126,3 +132,13 @@ def generate_rollouts(
             content=content,
         )
     return dataset_from_rows(rows, GENERATE_ROLLOUTS), generation.replay
+
+
+def provenance(config: GenerationConfig, seed: int, tokenizer: Any) -> dict[str, Any]:
+    """How the rollouts were sampled, for the manifest: settings, conventions, template hash."""
+    return {
+        "sampling": config.model_dump(mode="json") | {"seed": seed},
+        "logprob_convention": "log_softmax(logits / temperature) of the sampled token, before top-k/top-p",
+        "context_convention": CONTEXT_CONVENTION,
+        "chat_template_sha256": chat_template_hash(tokenizer),
+    }
