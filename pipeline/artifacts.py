@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from uuid import UUID
 
+from prefect import get_run_logger
 from prefect.artifacts import (
     create_markdown_artifact,
     create_progress_artifact,
@@ -81,7 +82,10 @@ class Progress:
             percent <= self._sent_percent or (percent < 100 and now - self._sent_at < UPDATE_INTERVAL_S)
         ):
             return
-        update_progress_artifact(self.artifact_id, percent, description=description)
+        try:
+            update_progress_artifact(self.artifact_id, percent, description=description)
+        except Exception as exc:  # a progress bar must never fail a long stage: say so, carry on
+            get_run_logger().warning("progress artifact %s not updated: %s", self.artifact_id, exc)
         self._sent_percent, self._sent_at = percent, now
 
     def finish(self, description: str) -> None:
