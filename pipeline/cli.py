@@ -337,6 +337,15 @@ def command_config(args: argparse.Namespace) -> None:
         print(config_table(fields, width=min(shutil.get_terminal_size().columns, 100)))
 
 
+def command_diff(args: argparse.Namespace) -> None:
+    from pipeline.compare import compare_runs
+
+    lines, different = compare_runs(args.left, args.right)
+    print("\n".join(lines))
+    if different:
+        raise UsageError(f"{different} stored item(s) differ between {args.left} and {args.right}")
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(
         prog="mtrl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -390,6 +399,10 @@ def parser() -> argparse.ArgumentParser:
     report.add_argument("--out", type=Path, help="where to write the plot (default: RUNS_DIR/report)")
     report.add_argument("--policy", help="report the lineage of this policy version (default: the newest)")
     report.set_defaults(handler=command_report)
+    diff = commands.add_parser("diff", help="do two runs dirs hold the same data (version names aside)?")
+    diff.add_argument("left", type=Path, metavar="RUNS_DIR_A")
+    diff.add_argument("right", type=Path, metavar="RUNS_DIR_B")
+    diff.set_defaults(handler=command_diff)
     ls = commands.add_parser("ls", help="every stored version")
     ls.add_argument("--runs-dir", type=Path, default=Path("runs"))
     ls.set_defaults(handler=command_ls)

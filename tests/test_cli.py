@@ -57,6 +57,29 @@ def test_run_then_ls_show_lineage(tmp_path, capsys):
     assert sum(line.startswith("generate-rollouts/") for line in chain) >= 1
     assert main(["show", "compute-advantages/zzzz", "--runs-dir", runs]) == 2
 
+    # mtrl diff: the same data is the same; one changed advantage is found and named
+    import shutil
+
+    import datasets
+
+    copy = tmp_path / "copy"
+    shutil.copytree(runs, copy)
+    assert main(["diff", runs, str(copy)]) == 0
+    assert capsys.readouterr().out.strip().endswith("0 different")
+    folder = copy / "compute-advantages" / advantages
+    rows = datasets.load_from_disk(str(folder))
+    changed = rows.map(lambda row, i: {"advantages": [a + (i == 0) for a in row["advantages"]]}, with_indices=True)
+    changed.save_to_disk(str(tmp_path / "changed"))
+    shutil.rmtree(folder / "data", ignore_errors=True)
+    for path in folder.glob("*.arrow"):
+        path.unlink()
+    for path in (tmp_path / "changed").iterdir():
+        shutil.copy(path, folder / path.name)
+    assert main(["diff", runs, str(copy)]) == 2
+    report = capsys.readouterr()
+    assert "DIFFERENT  ('compute-advantages', 0, None)" in report.out and "differ: ['advantages']" in report.out
+    assert "1 stored item(s) differ" in report.err
+
 
 def test_eval_rolls_out_a_policy_without_storing_anything(tmp_path, capsys):
     import json
