@@ -33,7 +33,7 @@ import datasets
 import xxhash
 
 from pipeline.stage_table import POLICY, STAGES
-from schemas.config import deep_merge
+from schemas.config import RunConfig, deep_merge
 from schemas.manifest import Manifest
 
 # datasets writes cache files (map, cast, flatten_indices, ...) next to the data a dataset was
@@ -230,7 +230,9 @@ class Store:
         records the fields its output depends on; the newest record of a field wins."""
         merged: dict[str, Any] = {}
         for manifest in reversed(self.lineage(stage, version)):
-            merged = deep_merge(merged, manifest.config)
+            # stores written by older mtrl versions recorded other keys beside the sections
+            recorded = {key: value for key, value in manifest.config.items() if key in RunConfig.model_fields}
+            merged = deep_merge(merged, recorded)
         return merged
 
     def verify(self, stage: str, version: str) -> list[str]:
