@@ -8,9 +8,12 @@ its Prefect task in pipeline/flows.py.
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import platform
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,12 @@ ROOT = Path(__file__).resolve().parent.parent
 POLICY = "policy"  # the other kind of stored version: a checkpoint written by ppo-update
 # Every stage's output depends on the row schema and the token-stream contract.
 SHARED_CODE = ("schemas/features.py", "schemas/token_stream.py")
+PROJECT_PACKAGES = ("pipeline", "stages", "schemas")
+# Libraries whose versions shape a stage's bytes, hashed into every version: transformers renders
+# chat templates and runs the model, tokenizers tokenizes, torch computes, datasets and pyarrow
+# write the rows, numpy computes advantages, safetensors stores weights. Prefect, Ray and pydantic
+# only orchestrate and validate: left out, so upgrading them keeps the cache.
+SHAPING_LIBRARIES = ("torch", "transformers", "tokenizers", "datasets", "pyarrow", "numpy", "safetensors")
 
 
 @dataclass(frozen=True)
@@ -33,25 +42,31 @@ class Stage:
     features: Features  # the Arrow schema of its dataset
     config: tuple[str, ...]  # config fields its output depends on (hashed into its version)
     derived: tuple[str, ...] = ()  # values computed from the config, hashed too (see DERIVED)
-    code: tuple[str, ...] = ()  # source its output depends on, besides SHARED_CODE (a folder: its *.py)
+    code: tuple[str, ...] = ()  # where its code starts (a folder: its *.py); what they import is followed
     distributed: bool = False  # may run as Ray tasks (runner.kind=ray); generation and training hold a model
     rerun_from: str | None = None  # `mtrl stage NAME --from STAGE/VERSION` re-runs it on this input
 
     @property
-    def code_version(self) -> str:
-        """A hash of the source files its output depends on: editing them gives new versions."""
-        files = []
+    def code_files(self) -> list[Path]:
+        """The project's source files its output depends on: its code and everything of the
+        project it imports, transitively (imports inside functions included)."""
+        entries = []
         for name in (*self.code, *SHARED_CODE):
             path = ROOT / name
-            files += sorted(path.glob("*.py")) if path.is_dir() else [path]
-        return source_version(*files)
+            entries += sorted(path.glob("*.py")) if path.is_dir() else [path]
+        return module_closure(entries)
+
+    @property
+    def code_version(self) -> str:
+        """A hash of code_files: editing any of them gives new versions."""
+        return source_version(*self.code_files)
 
     def recorded_config(self, config: RunConfig) -> dict[str, Any]:
         """The part of the run config this stage's output depends on, as a partial config."""
         return config.pick(*self.config)
 
     def derived_values(self, config: RunConfig) -> dict[str, Any]:
-        return {name: DERIVED[name](config) for name in self.derived}
+        return {"libraries": shaping_library_versions(), **{name: DERIVED[name](config) for name in self.derived}}
 
 
 def source_version(*paths: str | Path) -> str:
@@ -60,6 +75,39 @@ def source_version(*paths: str | Path) -> str:
     for path in paths:
         digest.update(Path(path).read_bytes())
     return digest.hexdigest()[:16]
+
+
+def module_closure(entries: list[Path]) -> list[Path]:
+    """These source files and the project files they import, transitively, sorted."""
+    seen: set[Path] = set()
+    todo = list(entries)
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0] in PROJECT_PACKAGES:
+                    module = ROOT / name.replace(".", "/")
+                    todo += [f for f in (module / "__init__.py", module.with_suffix(".py")) if f.is_file()]
+    return sorted(seen)
+
+
+def shaping_library_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for name in SHAPING_LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "absent"
+    return versions
 
 
 def _device(config: RunConfig) -> str:
@@ -89,7 +137,7 @@ STAGES: dict[str, Stage] = {
             features=features.GENERATE_ROLLOUTS,
             config=("generation", "task", "seed", "model.dtype"),
             derived=("device", "environment_code"),
-            code=("stages/generate_rollouts", "stages/policy.py"),
+            code=("stages/generate_rollouts", "pipeline/task_mix.py", "pipeline/evaluate.py"),
         ),
         Stage(
             name="execute-tools",
@@ -98,7 +146,7 @@ STAGES: dict[str, Stage] = {
             features=features.EXECUTE_TOOLS,
             config=("tools", "task", "generation"),
             derived=("environment_code",),  # environments decide observations and termination
-            code=("stages/execute_tools",),
+            code=("stages/execute_tools", "pipeline/evaluate.py"),
             distributed=True,
         ),
         Stage(
@@ -120,7 +168,7 @@ STAGES: dict[str, Stage] = {
             features=features.COMPUTE_ADVANTAGES,
             config=("advantage", "ppo.kl_coef", "ppo.kl_estimator", "ppo.kl_in", "generation.temperature"),
             derived=("device",),
-            code=("stages/compute_advantages.py", "stages/policy.py"),
+            code=("stages/compute_advantages.py",),
             rerun_from="assign-rewards",
         ),
         Stage(
@@ -130,7 +178,7 @@ STAGES: dict[str, Stage] = {
             features=features.PPO_UPDATE,
             config=("ppo", "seed", "generation.temperature"),
             derived=("device",),
-            code=("stages/ppo_update.py", "stages/policy.py"),
+            code=("stages/ppo_update.py",),
             rerun_from="compute-advantages",
         ),
     )

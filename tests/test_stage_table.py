@@ -80,3 +80,25 @@ def test_reading_the_store_does_not_import_prefect(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_versions_hash_every_project_module_a_stage_imports():
+    """Task sampling and first messages (pipeline/task_mix.py) shape generate-rollouts; the
+    scoring in stages/policy.py shapes compute-advantages: both are in their code versions."""
+    generation = {str(p.relative_to(ROOT)) for p in STAGES["generate-rollouts"].code_files}
+    assert {"pipeline/task_mix.py", "stages/policy.py", "stages/generate_rollouts/hf.py"} <= generation
+    assert "stages/policy.py" in {str(p.relative_to(ROOT)) for p in STAGES["compute-advantages"].code_files}
+    assert "stages/ppo_update.py" not in generation  # only what it imports, not the whole tree
+
+
+def test_upgrading_a_library_that_shapes_the_bytes_gives_new_versions(monkeypatch):
+    from importlib import metadata
+
+    from pipeline.flows import stage_version
+
+    config = RunConfig()
+    before = {name: stage_version(config, name, {}, {}) for name in STAGES}
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: "99.0" if name == "transformers" else real(name))
+    after = {name: stage_version(config, name, {}, {}) for name in STAGES}
+    assert all(before[name] != after[name] for name in STAGES)
