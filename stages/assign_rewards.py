@@ -27,18 +27,23 @@ def assign_rewards(
     Natural end: the environment's outcome reward of the final answer. Cut by the turn limit
     or the context budget: `config.truncated_reward`. A turn that never ended (length):
     `config.overlong_reward`. Failed (infrastructure): NaN, and the rollout stays flagged, so
-    it is never mistaken for a scored 0.
+    it is never mistaken for a scored 0. An environment whose reward raises fails its rollout
+    the same way, with the exception's message, as one whose step raises does.
     """
     ordered = rollouts(turns)
     final_reward: dict[int, float] = {}
+    reward_failures: dict[int, str] = {}  # rollout_id -> why its environment could not score it
     for rollout in ordered:
         end = turns[rollout.rows[-1]]  # the last turn says how the rollout ended
         if end["failed"]:
             final_reward[rollout.rollout_id] = math.nan
         elif end["stop_reason"] == StopReason.DONE:
-            final_reward[rollout.rollout_id] = float(
-                environments[end["task"]].reward(json.loads(end["task_payload"]), end)
-            )
+            try:
+                reward = float(environments[end["task"]].reward(json.loads(end["task_payload"]), end))
+            except Exception as exc:  # an environment bug fails this rollout, visibly, not the run
+                reward_failures[rollout.rollout_id] = f"environment '{end['task']}' reward raised {exc!r}"[:1000]
+                reward = math.nan
+            final_reward[rollout.rollout_id] = reward
         elif end["stop_reason"] == StopReason.LENGTH:
             final_reward[rollout.rollout_id] = config.overlong_reward
         elif end["stop_reason"] is not None:
@@ -47,8 +52,22 @@ def assign_rewards(
     if unfinished:
         raise ValueError(f"rollouts {unfinished[:5]} have not finished: run all their turns first")
     turns = turns.select([row for rollout in ordered for row in rollout.rows])  # rollout by rollout, in turn order
+    if reward_failures:
+        turns = _flag_failed(turns, reward_failures)
     rewards = [final_reward[rollout.rollout_id] for rollout in ordered for _ in rollout.rows]
     return turns.add_column("reward", rewards, feature=ASSIGN_REWARDS["reward"])
+
+
+def _flag_failed(turns: datasets.Dataset, failures: dict[int, str]) -> datasets.Dataset:
+    """`failed` and `failure` set on every row of these rollouts; the columns keep their places."""
+    ids = turns["rollout_id"]
+    failed = [bool(f) or r in failures for f, r in zip(turns["failed"], ids)]
+    failure = [failures.get(r, old) for old, r in zip(turns["failure"], ids)]
+    columns = turns.column_names
+    turns = turns.remove_columns(["failed", "failure"])
+    turns = turns.add_column("failed", failed, feature=ASSIGN_REWARDS["failed"])
+    turns = turns.add_column("failure", failure, feature=ASSIGN_REWARDS["failure"])
+    return turns.select_columns(columns)
 
 
 def rollout_metrics(turns: datasets.Dataset, turn_limits: dict[str, int]) -> dict[str, Any]:

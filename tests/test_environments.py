@@ -296,3 +296,33 @@ def test_each_way_a_rollout_ends_gets_its_final_reward_on_every_row():
         else:
             assert reward == expected[rollout_id]
     assert len(scored) == 9
+
+
+def test_an_environment_whose_reward_raises_fails_its_rollout_not_the_stage():
+    """Like an exception in step: the rollout is flagged with the message, never scored 0."""
+
+    class RaisingReward(CalculatorEnv):
+        name = "raising-reward"
+
+        def reward(self, task, final_turn):
+            raise KeyError("answer")
+
+    rows = [
+        {
+            "rollout_id": r,
+            "task": task,
+            "task_payload": json.dumps({"answer": 5}),
+            "turn": 0,
+            "content": "5",
+            "tool_calls": [],
+            "stop_reason": "done",
+            "failed": False,
+        }
+        for r, task in ((0, "calculator"), (1, "raising-reward"))
+    ]
+    scored = assign_rewards(
+        dataset_from_rows(rows, EXECUTE_TOOLS), {**ENVIRONMENTS, "raising-reward": RaisingReward()}, RewardConfig()
+    )
+    assert scored["failed"] == [False, True] and scored["reward"][0] == 1.0 and math.isnan(scored["reward"][1])
+    assert "environment 'raising-reward' reward raised KeyError('answer')" in scored["failure"][1]
+    assert scored.column_names == list(ASSIGN_REWARDS)
