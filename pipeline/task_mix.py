@@ -50,7 +50,8 @@ def turn_limit(config: RunConfig) -> int:
 
 
 def check_environments(config: RunConfig) -> None:
-    """Every task of the mix is registered, has tools, and its tools are registered."""
+    """Every task of the mix is registered, has tools, and its tools are registered and have a
+    JSON schema (a typed signature and a docstring with an Args section), checked before any work."""
     for name, _ in config.task.mix():
         if name not in ENVIRONMENTS:
             raise ValueError(f"unknown task '{name}'; valid: {', '.join(sorted(ENVIRONMENTS))}")
@@ -62,6 +63,14 @@ def check_environments(config: RunConfig) -> None:
             raise ValueError(
                 f"environment '{name}' uses unregistered tool(s) {missing}; registered: {', '.join(execute_tools.TOOLS)}"
             )
+        for tool in environment.tools:
+            try:
+                execute_tools.tool_schema(execute_tools.TOOLS[tool])
+            except Exception as exc:  # transformers' DocstringParsingException, TypeHintParsingException
+                raise ValueError(
+                    f"tool '{tool}' of environment '{name}' has no usable JSON schema: {exc} "
+                    "(it needs type hints and a Google-style docstring with an Args section)"
+                ) from None
 
 
 def rollout_starts(config: RunConfig, iteration: int) -> list[dict[str, Any]]:

@@ -209,6 +209,14 @@ class UnknownToolEnv(CalculatorEnv):
     name, tools = "unknown-tool", ("teleport",)
 
 
+def undocumented(x: int) -> str:
+    return str(x)
+
+
+class UndocumentedToolEnv(CalculatorEnv):
+    name, tools = "undocumented-tool", ("undocumented",)
+
+
 class FailingStartEnv(CalculatorEnv):
     name = "failing-start"
 
@@ -222,10 +230,12 @@ class FailingStartEnv(CalculatorEnv):
         (NoToolsEnv(), "environment 'no-tools' lists no tools"),
         (UnknownToolEnv(), "environment 'unknown-tool' uses unregistered tool(s) ['teleport']"),
         (FailingStartEnv(), "environment 'failing-start' failed to start a task: KeyError"),
+        (UndocumentedToolEnv(), "tool 'undocumented' of environment 'undocumented-tool' has no usable JSON schema"),
     ],
 )
 def test_a_broken_environment_is_a_clear_error_before_any_rollout(monkeypatch, env, message):
     monkeypatch.setitem(ENVIRONMENTS, env.name, env)
+    monkeypatch.setitem(TOOLS, "undocumented", undocumented)
     with pytest.raises(ValueError, match=re.escape(message)):
         rollout_starts(RunConfig(task={"name": env.name, "rollouts": 2, "group_size": 2}), iteration=0)
 
