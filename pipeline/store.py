@@ -71,6 +71,19 @@ def file_digests(folder: Path) -> dict[str, dict[str, Any]]:
     return digests
 
 
+def digest_problems(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
+    """The files that are missing, unexpected, or differ from their recorded digest."""
+    problems = [f"missing file {name}" for name in expected if name not in actual]
+    problems += [f"unexpected file {name}" for name in actual if name not in expected]
+    problems += [
+        f"{name} differs from its digest" for name in expected if name in actual and actual[name] != expected[name]
+    ]
+    return problems
+
+
+_VERIFIED: set[tuple] = set()  # policy folders whose digests matched, by their files' (path, size, mtime)
+
+
 def library_versions() -> dict[str, str]:
     versions = {"python": platform.python_version()}
     for name in ("torch", "transformers", "datasets", "pyarrow", "numpy", "prefect", "mtrl"):
@@ -138,9 +151,24 @@ class Store:
         return datasets.load_from_disk(str(self.path(stage, version)))
 
     def policy_dir(self, version: str) -> Path:
-        """Directory to load a policy from (an imported base model stays where it is)."""
+        """Directory to load a policy from (an imported base model stays where it is), after its
+        files were checked against the digests recorded when it was written or imported: edited
+        or truncated weights are never loaded. A folder is hashed once per process while its
+        files keep their sizes and modification times."""
         manifest = self.manifest(POLICY, version)
-        return Path(manifest.source_path) if manifest.source_path else self.path(POLICY, version)
+        if manifest.source_path:
+            folder, expected = Path(manifest.source_path), manifest.extra("source_files", {})
+        else:
+            folder, expected = self.path(POLICY, version), manifest.files
+        stats = tuple(
+            (str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()
+        )
+        if stats not in _VERIFIED:
+            problems = digest_problems(expected, file_digests(folder))
+            if problems:
+                raise StoreError(f"policy/{version} at {folder} is corrupted or was edited: {'; '.join(problems)}")
+            _VERIFIED.add(stats)
+        return folder
 
     def versions(self, stage: str | None = None) -> list[Manifest]:
         """Manifests of the finished versions, oldest first."""
@@ -237,14 +265,7 @@ class Store:
 
     def verify(self, stage: str, version: str) -> list[str]:
         """Problems with a version's files (empty when they match the manifest's digests)."""
-        expected = self.manifest(stage, version).files
-        actual = file_digests(self.path(stage, version))
-        problems = [f"missing file {name}" for name in expected if name not in actual]
-        problems += [f"unexpected file {name}" for name in actual if name not in expected]
-        problems += [
-            f"{name} differs from its digest" for name in expected if name in actual and actual[name] != expected[name]
-        ]
-        return problems
+        return digest_problems(self.manifest(stage, version).files, file_digests(self.path(stage, version)))
 
     # ------------------------------------------------------------------ writing
 

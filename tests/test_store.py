@@ -116,3 +116,32 @@ def test_resolve_accepts_unique_prefixes_and_names_problems(tmp_path):
     with pytest.raises(StoreError, match="unknown stage|not STAGE/VERSION"):
         store.resolve("rewards/abc")
     assert json.loads((store.path("assign-rewards", "abc123") / "manifest.json").read_text())["rows"] == 1
+
+
+def test_an_edited_policy_is_never_loaded(tmp_path):
+    """policy_dir checks a policy's files against its digests before anything loads them: a
+    trained policy written by the store, and an imported base model that changed on disk."""
+    from pipeline.store import file_digests
+
+    store = Store(tmp_path / "runs")
+
+    def weights(tmp):
+        (tmp / "model.safetensors").write_bytes(b"weights" * 100)
+        return {}
+
+    store.write("policy", "trained", weights, {"iteration": 0})
+    assert store.policy_dir("trained") == store.path("policy", "trained")
+    with (store.path("policy", "trained") / "model.safetensors").open("ab") as handle:
+        handle.write(b"!")  # truncated or edited weights look just like this
+    with pytest.raises(StoreError, match=r"policy/trained .* model.safetensors differs from its digest"):
+        store.policy_dir("trained")
+
+    base = tmp_path / "base-model"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    digests = file_digests(base)
+    store.write("policy", "base", lambda tmp: {"source_path": str(base), "source_files": digests}, {"iteration": -1})
+    assert store.policy_dir("base") == base
+    (base / "config.json").write_text('{"edited": true}')
+    with pytest.raises(StoreError, match=r"policy/base .* config.json differs from its digest"):
+        store.policy_dir("base")
