@@ -11,6 +11,8 @@ the turn and what is wrong (also available as `mtrl audit STAGE/VERSION`):
   lengths        one logprob (and advantage, return, value, ref logprob) per completion token
   logprobs       finite and <= 0
   advantages     finite; failed rollouts carry none
+  failed         at most max_failed_fraction of the rollouts failed (an infrastructure failure
+                 each: a crashed tool, a raising environment)
   policy         the policy version that generated the rows is in the store
   rescore        a sample of rollouts re-scored by the stored policy agrees with the stored
                  logprobs within a tolerance
@@ -76,6 +78,7 @@ def audit(
     rescore_tolerance: float = 1e-3,
     temperature: float = 1.0,
     seed: int = 0,
+    max_failed_fraction: float = 1.0,
 ) -> AuditReport:
     """Check a generate/execute/assign/compute dataset (columns it lacks are not checked)."""
     report = AuditReport()
@@ -141,6 +144,15 @@ def audit(
                 )
                 if row.get("failed") and np.any(advantages != 0):
                     report.add("advantages", f"{at}: a failed rollout carries non-zero advantages")
+    failed = [rollout for rollout in all_rollouts if rollout.failed]
+    share = len(failed) / max(1, len(all_rollouts))
+    report.add(
+        "failed",
+        None
+        if share <= max_failed_fraction
+        else f"{len(failed)} of {len(all_rollouts)} rollouts failed ({share:.0%} > max_failed_fraction "
+        f"{max_failed_fraction:g}); the first: {_failure_of(turns, failed[0])}",
+    )
     for policy in sorted(set(turns["policy_version"])):
         report.add("policy", None if store.exists(POLICY, policy) else f"policy {policy} is not in the store")
 
@@ -156,6 +168,11 @@ def audit(
             f"(tolerance {rescore_tolerance:g})",
         )
     return report
+
+
+def _failure_of(turns: datasets.Dataset, rollout: Rollout) -> str:
+    messages = [message for message in turns.select(rollout.rows)["failure"] if message]
+    return f"rollout {rollout.rollout_id}: {messages[0] if messages else 'no message'}"
 
 
 def _rescore(
@@ -201,6 +218,7 @@ def audit_before_training(
         rescore_tolerance=config.ppo.audit_tolerance,
         temperature=config.generation.temperature,
         seed=seed,
+        max_failed_fraction=config.ppo.max_failed_fraction,
     )
     if not report.ok:
         raise AuditError(f"compute-advantages/{version} fails the audit: " + "; ".join(report.problems))

@@ -216,6 +216,13 @@ class PPOConfig(Section):
         0.1, ge=0.0, le=1.0, description="Audit: share of rollouts re-scored by the stored policy."
     )
     audit_tolerance: float = Field(1e-3, gt=0.0, description="Audit: max |stored - re-scored| logprob.")
+    max_failed_fraction: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="Audit: stop the iteration, writing no policy, when more than this share of its rollouts "
+        "failed (tools crashed, environments raised): a run where everything fails must not look like success.",
+    )
 
 
 class StoreConfig(Section):

@@ -234,3 +234,27 @@ def test_a_second_engine_plugs_in_by_name_without_touching_the_flow(first_run, t
     second = Store(tmp_path).load("assign-rewards", again["versions"]["assign-rewards"])
     assert again["versions"]["assign-rewards"] != result["versions"]["assign-rewards"]  # the engine is hashed
     assert first["completion_token_ids"] == second["completion_token_ids"] and first["reward"] == second["reward"]
+
+
+def test_an_iteration_where_every_rollout_fails_stops_and_writes_no_policy(tmp_path, monkeypatch):
+    """A run whose environment is down must not look like success: the audit in front of
+    ppo-update stops the iteration (ppo.max_failed_fraction) and no new policy is written."""
+    from pipeline.flows import rl_training
+    from schemas.config import RunConfig
+    from stages.environments import CalculatorEnv
+
+    class EnvironmentDown(CalculatorEnv):
+        name = "environment-down"
+
+        def step(self, *args, **kwargs):
+            raise RuntimeError("the environment's server is down")
+
+    monkeypatch.setitem(ENVIRONMENTS, EnvironmentDown.name, EnvironmentDown())
+    config = RunConfig(
+        iterations=1,
+        task={"name": EnvironmentDown.name, "rollouts": 4, "group_size": 2, "max_turns": 2},
+        store={"runs_dir": tmp_path},
+    )
+    with pytest.raises(Exception, match=r"4 of 4 rollouts failed .*the environment's server is down"):
+        rl_training(config)
+    assert [m.iteration for m in Store(tmp_path).versions("policy")] == [-1]  # only the starting policy
