@@ -93,7 +93,9 @@ def audit(
         if "stop_reason" in columns:
             stops = [row["stop_reason"] is not None for row in rows]
             if any(stops[:-1]):
-                report.add("contiguous", f"{where}: turn {stops.index(True)} has a stop reason but is not the last")
+                report.add(
+                    "contiguous", f"{where}: turn {turns_seen[stops.index(True)]} has a stop reason but is not the last"
+                )
         for row, (offset, _) in zip(rows, rollout.context_spans):
             at = f"{where} turn {row['turn']}"
             report.add(
