@@ -9,6 +9,7 @@ its Prefect task in pipeline/flows.py.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import platform
 from collections.abc import Callable
@@ -46,10 +47,11 @@ class Stage:
     distributed: bool = False  # may run as Ray tasks (runner.kind=ray); generation and training hold a model
     rerun_from: str | None = None  # `mtrl stage NAME --from STAGE/VERSION` re-runs it on this input
 
-    @property
+    @functools.cached_property
     def code_files(self) -> list[Path]:
         """The project's source files its output depends on: its code and everything of the
-        project it imports, transitively (imports inside functions included)."""
+        project it imports, transitively (imports inside functions included). Parsed once per
+        process: every task run hashes its version twice (before it runs and in its manifest)."""
         entries = []
         for name in (*self.code, *SHARED_CODE):
             path = ROOT / name
