@@ -32,7 +32,7 @@ from pipeline.memory import peak_memory
 from pipeline.models import resolve_model_dir
 from pipeline.runners import map_row_shards, stage_runner
 from pipeline.stage_table import POLICY, STAGES
-from pipeline.store import Store, file_digests, version_key
+from pipeline.store import Store, copy_files, file_digests, version_key
 from pipeline.task_mix import load_plugins, task_turn_limits, turn_limit
 from schemas.config import RunConfig
 from schemas.features import PPO_UPDATE, dataset_from_rows, token_counts
@@ -82,14 +82,18 @@ def policy_engine(store: Store, config: RunConfig, policy_version: str) -> Gener
 
 
 def import_base_policy(store: Store, config: RunConfig) -> str:
-    """Register the starting model as policy version of iteration -1 (it is not copied)."""
+    """Store the starting model as the policy version of iteration -1. Its files are copied
+    into the store, so the runs dir stands alone: moved or copied to another machine it keeps
+    its lineage root. The version is the hash of the files, so the same model imported from
+    anywhere is the same version."""
     model_dir = resolve_model_dir(config.model.path)
     load_tokenizer(model_dir)  # fail early, before any work, if it has no chat template
     digests = file_digests(model_dir)
     version = version_key(POLICY, POLICY_CODE_VERSION, {"source_files": digests}, {})
 
-    def fill(_tmp: Path) -> dict[str, Any]:
-        return {"source_path": str(model_dir), "source_files": digests}
+    def fill(tmp: Path) -> dict[str, Any]:
+        copy_files(model_dir, tmp, digests)
+        return {"imported_from": str(model_dir)}
 
     store.write(POLICY, version, fill, {"iteration": -1, "code_version": POLICY_CODE_VERSION})
     return version
@@ -98,6 +102,14 @@ def import_base_policy(store: Store, config: RunConfig) -> str:
 # ---------------------------------------------------------------------------------------
 # Stage tasks
 # ---------------------------------------------------------------------------------------
+
+
+def on_disk(store: Store, stage: str, version: str) -> bool:
+    """Is this output whole on disk? ppo-update's output is its metrics dataset and the policy
+    it wrote: a deleted policy folder is rebuilt by running the update again."""
+    if not store.exists(stage, version):
+        return False
+    return stage != "ppo-update" or store.exists(POLICY, store.manifest(stage, version).policy)
 
 
 def stage_task(stage: str) -> Callable[[Callable[..., tuple[datasets.Dataset, dict[str, Any]]]], Any]:
@@ -114,7 +126,7 @@ def stage_task(stage: str) -> Callable[[Callable[..., tuple[datasets.Dataset, di
             progress_artifact: UUID | None = None,
         ) -> str:
             store = Store(config.store.runs_dir)
-            if store.exists(stage, version):
+            if on_disk(store, stage, version):
                 return version
             table = STAGES[stage]
             unexpected = set(parents) - set(table.inputs)
@@ -169,7 +181,7 @@ def run_stage(
     version = stage_version(config, stage, parents, position)
     store = Store(config.store.runs_dir)
     configured = prefect_task.with_options(
-        refresh_cache=not store.exists(stage, version),
+        refresh_cache=not on_disk(store, stage, version),
         result_storage=store.root / ".prefect" / "results",
     )
     parameters = {"config": config, "version": version, "parents": parents, "position": position}
@@ -290,13 +302,18 @@ def ppo_update_task(
     version = stage_version(config, "ppo-update", parents, {"iteration": iteration})
     next_policy = version_key(POLICY, POLICY_CODE_VERSION, {}, {"ppo-update": version})
     policy_manifest = {"parents": {"ppo-update": version}, "code_version": POLICY_CODE_VERSION, "iteration": iteration}
-    store.write(POLICY, next_policy, trained.save, policy_manifest)
+    # a rebuilt policy (its folder was deleted) must be the bytes that later versions were made from
+    written_before = (
+        store.manifest("ppo-update", version).extra("policy_files") if store.exists("ppo-update", version) else None
+    )
+    written = store.write(POLICY, next_policy, trained.save, policy_manifest, expected_files=written_before)
     return dataset_from_rows(trained.metrics, PPO_UPDATE), {
         "metrics": ppo_update.metrics_summary(trained.metrics),
         "audit": report.as_dict(),
         "memory": memory,
         "optimizer_state_restored": trained.optimizer_state_restored,
         "policy": next_policy,
+        "policy_files": written.files,
     }
 
 

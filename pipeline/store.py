@@ -81,6 +81,15 @@ def digest_problems(expected: dict[str, Any], actual: dict[str, Any]) -> list[st
     return problems
 
 
+def copy_files(source: Path, target: Path, files: dict[str, Any]) -> None:
+    """Copy these files of `source` into `target`. Copies, not hard links: a link shares its
+    bytes, and a `save_pretrained` into the source folder would then rewrite the store's copy."""
+    for name in files:
+        destination = target / name
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source / name, destination)  # follows a hub snapshot's symlinks to its blobs
+
+
 _VERIFIED: set[tuple] = set()  # policy folders whose digests matched, by their files' (path, size, mtime)
 
 
@@ -137,8 +146,20 @@ class Store:
     def manifest(self, stage: str, version: str) -> Manifest:
         path = self.path(stage, version) / MANIFEST
         if not path.is_file():
-            raise StoreError(f"{stage}/{version} is not in the store at {self.root}")
+            raise StoreError(
+                f"{stage}/{version} is not in the store at {self.root}{self._rebuild_hint(stage, version)}"
+            )
         return Manifest.model_validate_json(path.read_text())
+
+    def _rebuild_hint(self, stage: str, version: str) -> str:
+        """How to get a missing trained policy back: the ppo-update that wrote it, run again."""
+        if stage != POLICY or not (self.root / "ppo-update").is_dir():
+            return ""
+        for update in self.versions("ppo-update"):
+            if update.policy == version:
+                source = f"compute-advantages/{update.parents['compute-advantages']}"
+                return f"; ppo-update/{update.version} wrote it: `mtrl stage ppo-update --from {source}` rebuilds it"
+        return ""
 
     def load(self, stage: str, version: str, verify: bool = True) -> datasets.Dataset:
         """The dataset of a version; its files are checked against the manifest's digests first
@@ -151,12 +172,12 @@ class Store:
         return datasets.load_from_disk(str(self.path(stage, version)))
 
     def policy_dir(self, version: str) -> Path:
-        """Directory to load a policy from (an imported base model stays where it is), after its
-        files were checked against the digests recorded when it was written or imported: edited
-        or truncated weights are never loaded. A folder is hashed once per process while its
-        files keep their sizes and modification times."""
+        """Directory to load a policy from (its folder in the store), after its files were
+        checked against the digests recorded when it was written or imported: edited or
+        truncated weights are never loaded. A folder is hashed once per process while its files
+        keep their sizes and modification times."""
         manifest = self.manifest(POLICY, version)
-        if manifest.source_path:
+        if manifest.source_path:  # a base policy imported by an older mtrl: a pointer, not a copy
             folder, expected = Path(manifest.source_path), manifest.extra("source_files", {})
         else:
             folder, expected = self.path(POLICY, version), manifest.files
@@ -270,10 +291,17 @@ class Store:
     # ------------------------------------------------------------------ writing
 
     def write(
-        self, stage: str, version: str, fill: Callable[[Path], dict[str, Any]], manifest: dict[str, Any]
+        self,
+        stage: str,
+        version: str,
+        fill: Callable[[Path], dict[str, Any]],
+        manifest: dict[str, Any],
+        expected_files: dict[str, Any] | None = None,
     ) -> Manifest:
         """Atomically create stage/version: fill(tmp_dir) writes the files and returns extra
-        manifest fields. Returns the final manifest. An existing version is never touched."""
+        manifest fields. Returns the final manifest. An existing version is never touched.
+        `expected_files` (digests) rebuilds a deleted version: other bytes are refused, since
+        later versions were made from the deleted ones."""
         final = self.path(stage, version)
         if self.exists(stage, version):
             return self.manifest(stage, version)
@@ -293,6 +321,13 @@ class Store:
                 "library_versions": library_versions(),
                 "files": file_digests(tmp),
             }
+            problems = digest_problems(expected_files, full["files"]) if expected_files else []
+            if problems:
+                raise StoreError(
+                    f"{stage}/{version} was deleted and computing it again gave other bytes ({'; '.join(problems)}), "
+                    "so the versions made from it would not match it: on this device the computation is not "
+                    "bit-reproducible. Restore the folder from a backup, or run into a new runs dir."
+                )
             Manifest.model_validate(full)  # a malformed manifest fails here, before anything is published
             (tmp / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=True, default=str) + "\n")
             _fsync_tree(tmp)

@@ -176,6 +176,56 @@ def test_a_deleted_version_is_recomputed_not_served_from_prefects_cache(first_ru
     assert store.exists("compute-advantages", version) and store.verify("compute-advantages", version) == []
 
 
+def test_a_deleted_policy_folder_is_named_with_its_rebuild_command_and_rebuilt_with_the_same_bytes(first_run):
+    import shutil
+
+    from pipeline.flows import rl_training
+    from pipeline.store import StoreError
+
+    config, (result,), store = first_run
+    policy = result["next_policy"]
+    files = store.manifest(POLICY, policy).files
+    shutil.rmtree(store.path(POLICY, policy))
+    advantaged = result["versions"]["compute-advantages"]
+    with pytest.raises(StoreError, match=rf"mtrl stage ppo-update --from compute-advantages/{advantaged}` rebuilds"):
+        store.policy_dir(policy)
+    (again,) = rl_training(config)  # its ppo-update version exists: the update runs again for the policy
+    assert again["next_policy"] == policy and again["versions"] == result["versions"]
+    assert store.manifest(POLICY, policy).files == files  # the same bytes as the deleted policy
+    assert store.policy_dir(policy) == store.path(POLICY, policy)
+
+
+def test_a_runs_dir_moved_away_from_its_starting_model_keeps_its_lineage(tmp_path):
+    """The starting policy is stored in the runs dir (linked or copied), not pointed at: move the
+    runs dir and the model folder elsewhere, and the run goes on from its cache."""
+    import shutil
+
+    from pipeline.flows import rl_training
+    from pipeline.models import EMBEDDED_POLICY
+    from schemas.config import RunConfig
+
+    shutil.copytree(EMBEDDED_POLICY, tmp_path / "model")
+    small = {
+        "task": {"rollouts": 4, "group_size": 2, "max_turns": 2},
+        "generation": {"max_new_tokens": 32},
+        "ppo": {"minibatch_rollouts": 4},
+    }
+    config = RunConfig(
+        iterations=1, model={"path": str(tmp_path / "model")}, store={"runs_dir": tmp_path / "a"}, **small
+    )
+    (first,) = rl_training(config)
+    (tmp_path / "a").rename(tmp_path / "b")
+    (tmp_path / "model").rename(tmp_path / "model-moved")
+    moved = config.with_overrides(
+        {"iterations": 2, "model.path": str(tmp_path / "model-moved"), "store.runs_dir": str(tmp_path / "b")}
+    )
+    again, second = rl_training(moved)
+    assert again == first  # iteration 0: every version served from the moved store
+    store = Store(tmp_path / "b")
+    assert store.policy_dir(first["policy"]) == store.path(POLICY, first["policy"])
+    assert store.manifest("ppo-update", second["versions"]["ppo-update"]).extra("audit")["ok"]
+
+
 def test_gae_with_kl_in_the_reward_and_lora_over_two_iterations(tmp_path):
     """The critic and the reference are read by compute-advantages, the value head travels with
     the policy, and a LoRA update is merged into a plain checkpoint."""
