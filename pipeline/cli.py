@@ -239,7 +239,7 @@ def command_show(args: argparse.Namespace) -> None:
 
 
 def command_audit(args: argparse.Namespace) -> None:
-    from pipeline.audit import audit
+    from pipeline.audit import audit, rescore_tolerance, turns_with_history
     from stages.policy import load_tokenizer
 
     store = Store(args.runs_dir)
@@ -250,8 +250,9 @@ def command_audit(args: argparse.Namespace) -> None:
     problems = store.verify(stage, version)
     if problems:
         raise UsageError(f"{stage}/{version} files do not match the manifest: {'; '.join(problems)}")
-    turns = store.load(stage, version)
-    generation = RunConfig.model_validate(store.lineage_config(stage, version)).generation
+    turns = turns_with_history(store, stage, version)  # a later turn is checked after the earlier ones
+    recorded = RunConfig.model_validate(store.lineage_config(stage, version))
+    generation = recorded.generation
     tokenizer = load_tokenizer(str(store.policy_dir(turns[0]["policy_version"])))
     report = audit(
         turns,
@@ -259,7 +260,7 @@ def command_audit(args: argparse.Namespace) -> None:
         tokenizer,
         enable_thinking=generation.enable_thinking,
         rescore_fraction=args.rescore_fraction,
-        rescore_tolerance=args.tolerance,
+        rescore_tolerance=rescore_tolerance(args.tolerance, recorded.model.dtype),
         temperature=generation.temperature,
     )
     print(json.dumps(report.as_dict(), indent=2))
@@ -392,7 +393,9 @@ def parser() -> argparse.ArgumentParser:
         sub.add_argument("--runs-dir", type=Path, default=Path("runs"))
         if name == "audit":
             sub.add_argument("--rescore-fraction", type=float, default=0.1, help="share of rollouts re-scored")
-            sub.add_argument("--tolerance", type=float, default=1e-3, help="max |stored - re-scored| logprob")
+            sub.add_argument(
+                "--tolerance", type=float, help="max |stored - re-scored| logprob (default: by the generating dtype)"
+            )
         sub.set_defaults(handler=handler)
     report = commands.add_parser("report", help="learning curve of a run: table + PNG")
     report.add_argument("runs_dir", nargs="?", type=Path, default=Path("runs"), metavar="RUNS_DIR")

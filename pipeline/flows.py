@@ -192,18 +192,13 @@ def run_stage(
     return configured(**parameters)
 
 
-def load_turns(store: Store, tools_version: str) -> datasets.Dataset:
-    """Every turn of an iteration up to this execute-tools version, in one dataset."""
-    return datasets.concatenate_datasets([store.load("execute-tools", v) for v in store.turns_of(tools_version)])
-
-
 @stage_task("generate-rollouts")
 def generate_rollouts_task(
     store: Store, config: RunConfig, parents: dict[str, str], iteration: int, turn: int, progress_artifact: UUID
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
     policy_version, previous = parents[POLICY], parents.get("execute-tools")
     tokenizer = cached_tokenizer(str(store.policy_dir(policy_version)))
-    history = load_turns(store, previous) if previous else None
+    history = store.load_turns(previous) if previous else None
     dataset, replay = generate_turn(
         policy_engine(store, config, policy_version),
         tokenizer,
@@ -241,7 +236,7 @@ def assign_rewards_task(
     store: Store, config: RunConfig, parents: dict[str, str]
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
     load_plugins(config.task.plugins)  # a Ray worker has not imported them yet
-    turns = load_turns(store, parents["execute-tools"])
+    turns = store.load_turns(parents["execute-tools"])
     dataset = assign_rewards.assign_rewards(turns, ENVIRONMENTS, config.reward)
     return dataset, {"metrics": assign_rewards.rollout_metrics(dataset, task_turn_limits(config))}
 

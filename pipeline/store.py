@@ -246,6 +246,10 @@ class Store:
             current = self.manifest("generate-rollouts", generated).parents.get("execute-tools")
         return chain[::-1]
 
+    def load_turns(self, tools_version: str) -> datasets.Dataset:
+        """Every turn of an iteration up to this execute-tools version, in one dataset."""
+        return datasets.concatenate_datasets([self.load("execute-tools", v) for v in self.turns_of(tools_version)])
+
     def ancestor(self, stage: str, version: str, of_stage: str) -> Manifest:
         """The nearest version of `of_stage` in a version's lineage (e.g. its rollouts')."""
         found = next((m for m in self.lineage(stage, version) if m.stage == of_stage), None)

@@ -215,7 +215,12 @@ class PPOConfig(Section):
     audit_rescore_fraction: float = Field(
         0.1, ge=0.0, le=1.0, description="Audit: share of rollouts re-scored by the stored policy."
     )
-    audit_tolerance: float = Field(1e-3, gt=0.0, description="Audit: max |stored - re-scored| logprob.")
+    audit_tolerance: float | None = Field(
+        None,
+        gt=0.0,
+        description="Audit: max |stored - re-scored| logprob; null = by model.dtype (float32 1e-3, "
+        "float16 0.05, bfloat16 0.5: the re-score is float32, low-precision generation differs by rounding).",
+    )
     max_failed_fraction: float = Field(
         0.5,
         ge=0.0,

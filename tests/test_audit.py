@@ -128,3 +128,41 @@ def test_an_edited_dataset_file_is_refused(run):
     shard.write_bytes(bytes(data))
     with pytest.raises(StoreError, match="corrupted or was edited: data-00000-of-00001.arrow differs from its digest"):
         store.load("assign-rewards", version)
+
+
+def test_mtrl_audit_checks_a_later_turn_after_the_earlier_turns_of_its_rollouts(run, capsys):
+    """A one-turn version holds only that turn: its stream offsets and logprobs are checked
+    after the earlier turns of its rollouts, not as if they were rollouts of their own."""
+    import json
+
+    from pipeline.cli import main
+
+    store, _, _, result = run
+    later_tools = result["versions"]["execute-tools"][-1]
+    assert store.manifest("execute-tools", later_tools).turn >= 1
+    later_generation = store.manifest("execute-tools", later_tools).parents["generate-rollouts"]
+    for reference in (f"execute-tools/{later_tools}", f"generate-rollouts/{later_generation}"):
+        code = main(["audit", reference, "--runs-dir", str(store.root), "--rescore-fraction", "1"])
+        report = json.loads(capsys.readouterr().out)
+        assert code == 0 and report["ok"], (reference, report["problems"])
+        assert report["checks"]["stream"] == 0 and report["rescore_max_abs_diff"] < 1e-4
+
+
+def test_bfloat16_generation_is_audited_with_the_tolerance_of_its_dtype(tmp_path):
+    """The re-score is float32: bfloat16 rollouts differ from it by rounding (far above the
+    float32 tolerance), and must not fail every iteration's audit for that."""
+    from pipeline.flows import rl_training
+    from schemas.config import RunConfig
+
+    config = RunConfig(
+        iterations=1,
+        model={"dtype": "bfloat16"},
+        task={"rollouts": 8, "group_size": 4, "max_turns": 2},
+        generation={"max_new_tokens": 48},
+        ppo={"audit_rescore_fraction": 1.0},
+        store={"runs_dir": tmp_path},
+    )
+    (result,) = rl_training(config)
+    report = Store(tmp_path).manifest("ppo-update", result["versions"]["ppo-update"]).extra("audit")
+    assert report["ok"] and report["rescore_tolerance"] == 0.5
+    assert 1e-3 < report["rescore_max_abs_diff"] < 0.5  # rounding, beyond what float32 allows
