@@ -80,10 +80,12 @@ def build_config(args: argparse.Namespace, base: RunConfig | None = None) -> Run
 
 def validate_choices(config: RunConfig) -> None:
     """Names that only the registries know, checked before any work is done."""
+    from transformers import AutoConfig
+
     from pipeline.models import resolve_model_dir
     from pipeline.task_mix import load_plugins
     from stages.compute_advantages import ESTIMATORS
-    from stages.generate_rollouts import ENGINES
+    from stages.generate_rollouts import ENGINES, check_context_budget
 
     try:
         load_plugins(config.task.plugins)
@@ -105,8 +107,9 @@ def validate_choices(config: RunConfig) -> None:
     if config.runner.kind == "ray" and importlib.util.find_spec("prefect_ray") is None:
         raise UsageError("runner 'ray' needs the ray extra: pip install 'mtrl[ray]'")
     try:
-        resolve_model_dir(config.model.path)
-    except ModelError as exc:
+        model_config = AutoConfig.from_pretrained(resolve_model_dir(config.model.path))
+        check_context_budget(config.generation.max_context_tokens, model_config.max_position_embeddings)
+    except (ModelError, ValueError) as exc:
         raise UsageError(str(exc)) from None
 
 

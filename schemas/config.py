@@ -113,6 +113,15 @@ class GenerationConfig(Section):
     )
     enable_thinking: bool = Field(True, description="Chat template flag; false pre-fills an empty <think> block.")
 
+    @model_validator(mode="after")
+    def _a_turn_fits_the_context(self) -> GenerationConfig:
+        if self.max_new_tokens >= self.max_context_tokens:
+            raise ValueError(
+                f"max_new_tokens ({self.max_new_tokens}) must be below max_context_tokens "
+                f"({self.max_context_tokens}): one turn must fit a rollout's context with its prompt"
+            )
+        return self
+
 
 class ToolsConfig(Section):
     timeout_s: float = Field(5.0, gt=0.0, le=3600.0, description="Wall-clock limit per tool call, in seconds.")

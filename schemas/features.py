@@ -31,8 +31,8 @@ class StopReason(StrEnum):
 
     DONE = "done"  # the environment ended it (final answer, solved, gave up)
     MAX_TURNS = "max_turns"  # cut at the task's turn limit
-    CONTEXT_OVERFLOW = "context_overflow"  # the next turn would not fit the context
-    LENGTH = "length"  # the completion was cut at max_new_tokens
+    CONTEXT_OVERFLOW = "context_overflow"  # the context is full: a completion or the next turn would not fit
+    LENGTH = "length"  # the completion was cut at max_new_tokens (with room left in the context)
     FAILED = "failed"  # an infrastructure failure: flagged, never scored
 
 

@@ -129,8 +129,8 @@ def token_logprobs(
     The vocabulary projection runs over chunks of tokens under activation checkpointing, so
     a full [tokens, vocab] fp32 tensor never exists for the whole batch, forward or backward.
     """
-    logprobs, entropies = [], []
-    for start in range(0, hidden.shape[0], chunk_tokens):
+    logprobs, entropies = [hidden.new_zeros(0, dtype=torch.float32)], [hidden.new_zeros(0, dtype=torch.float32)]
+    for start in range(0, hidden.shape[0], chunk_tokens):  # none: rollouts cut before their first token
         h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if torch.is_grad_enabled() and h.requires_grad:
             lp, ent = checkpoint(_chunk_logprobs_entropy, h, lm_head, t, temperature, use_reentrant=False)

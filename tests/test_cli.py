@@ -21,6 +21,11 @@ from schemas.config import ConfigField, RunConfig, config_fields
         (["--rollouts", "10", "--group-size", "4"], "rollouts (10) must be a multiple of group_size (4)"),
         (["--set", "ppo.learning_rate=-1"], "ppo.learning_rate: Input should be greater than 0"),
         (["--set", "ppo.nonsense=1"], "unknown config field 'ppo.nonsense'"),
+        (
+            ["--set", "generation.max_context_tokens=8192"],
+            "max_context_tokens (8192) exceeds the longest context the model takes (4096 tokens)",
+        ),
+        (["--set", "generation.max_new_tokens=4096"], "max_new_tokens (4096) must be below max_context_tokens (4096)"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_choices_and_writes_nothing(tmp_path, capsys, flags, message):

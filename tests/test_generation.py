@@ -119,3 +119,36 @@ def test_a_cold_engine_replays_earlier_turns_and_continues_bit_identically(tiny,
     expected = uninterrupted.filter(lambda row: row["turn"] == 1, keep_in_memory=True)
     assert resumed["completion_token_ids"] == expected["completion_token_ids"]
     assert resumed["completion_logprobs"] == expected["completion_logprobs"]  # bit-identical floats
+
+
+def test_a_full_context_ends_a_rollout_as_a_context_overflow_truncation_not_a_failure(tiny):
+    """The calculator's prompt is 189 tokens. With a 250-token budget, completions are cut by the
+    context (not by max_new_tokens); with 150, the prompt alone does not fit. Both are truncations
+    (stop_reason context_overflow, scored with reward.truncated_reward), never failures."""
+    model, tokenizer = tiny
+    engine = HFEngine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode)
+    for max_context_tokens in (250, 150):
+        config = RunConfig(
+            task={"rollouts": 8, "group_size": 4, "max_turns": 4},
+            generation={"max_new_tokens": 64, "max_context_tokens": max_context_tokens},
+            reward={"truncated_reward": -0.5},
+        )
+        turns = run_episodes(engine, tokenizer, config)
+        ends = {row["rollout_id"]: row for row in turns if row["stop_reason"] is not None}
+        overflowed = [row for row in ends.values() if row["stop_reason"] == "context_overflow"]
+        assert len(ends) == 8 and overflowed and not any(turns["failed"])
+        assert all(row["reward"] == -0.5 and row["truncated"] for row in overflowed)
+        for row in overflowed:
+            used = row["stream_offset"] + len(row["context_token_ids"]) + len(row["completion_token_ids"])
+            assert used + len(row["observation_token_ids"]) <= max_context_tokens or not row["completion_token_ids"]
+    assert all(not row["completion_token_ids"] and row["finish_reason"] == "length" for row in overflowed)
+
+
+def test_a_context_budget_beyond_the_models_positions_is_refused(tiny):
+    from stages.generate_rollouts import generate_rollouts
+
+    model, tokenizer = tiny
+    engine = HFEngine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode)
+    config = RunConfig(generation={"max_context_tokens": 8192})
+    with pytest.raises(ValueError, match=r"max_context_tokens \(8192\) exceeds .* \(4096 tokens\)"):
+        generate_rollouts(engine, tokenizer, config=config.generation, seed=0, iteration=0, turn=0, policy_version="v")

@@ -80,7 +80,10 @@ def _step_turn(
     if row["failed"]:  # generation failed for this rollout: flagged, never scored
         return {**out, "stop_reason": StopReason.FAILED}
     if row["finish_reason"] == FinishReason.LENGTH:  # cut mid-answer: nothing to execute
-        return {**out, "truncated": True, "stop_reason": StopReason.LENGTH}
+        used = row["stream_offset"] + len(row["context_token_ids"]) + len(row["completion_token_ids"])
+        # cut by the context budget (it left less than max_new_tokens), or by max_new_tokens
+        full = used >= generation_config.max_context_tokens
+        return {**out, "truncated": True, "stop_reason": StopReason.CONTEXT_OVERFLOW if full else StopReason.LENGTH}
     task = json.loads(row["task_payload"])
     calls = parse_tool_calls(row["content"])
     own_tools = {name: tools[name] for name in environment.tools}  # an agent only has its task's tools

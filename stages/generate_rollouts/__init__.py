@@ -46,6 +46,16 @@ def split_thinking(text: str) -> tuple[str, str]:
     return thinking.split("<think>", 1)[-1].strip(), content.strip()
 
 
+def check_context_budget(max_context_tokens: int, max_model_len: int) -> None:
+    """A rollout's context budget must fit the model: past its positions the model cannot go
+    on, and the rollout would end as a failure instead of a truncation."""
+    if max_context_tokens > max_model_len:
+        raise ValueError(
+            f"generation.max_context_tokens ({max_context_tokens}) exceeds the longest context the model "
+            f"takes ({max_model_len} tokens): set it to at most {max_model_len}"
+        )
+
+
 def generate_rollouts(
     engine: GenerationEngine,
     tokenizer: Any,
@@ -67,6 +77,7 @@ def generate_rollouts(
     continue the rollouts whose last row has no stop_reason. `report_progress` receives the
     share of the turn decoded so far.
     """
+    check_context_budget(config.max_context_tokens, engine.max_model_len)
     rows: list[dict[str, Any]] = []
     streams: list[list[int]] = []
     if turn == 0:
@@ -108,18 +119,16 @@ def generate_rollouts(
         row["sampling_seed"] = sampling_seed(seed, iteration, row["rollout_id"], turn)
         row["stream_offset"] = len(stream) - len(row["context_token_ids"])
         row["failed"], row["failure"] = False, None
-        budget = min(config.max_new_tokens, config.max_context_tokens - len(stream), engine.max_model_len - len(stream))
-        if budget < 1:  # this rollout cannot be continued by this model: flagged, never scored
-            row["failed"], row["failure"] = True, f"generation: context of {len(stream)} tokens leaves no room"
-            continue
-        requests.append(Request(row["rollout_id"], stream, row["sampling_seed"], budget, row.pop("stop", ())))
+        budget = min(config.max_new_tokens, config.max_context_tokens - len(stream))
+        if budget >= 1:  # else a prompt longer than the context: an empty turn, a truncation
+            requests.append(Request(row["rollout_id"], stream, row["sampling_seed"], budget, row.pop("stop", ())))
     sampling = Sampling(config.temperature, config.top_k, config.top_p)
     generation = engine.generate(requests, sampling, earlier_turns=history, report_progress=report_progress)
-    completions = iter(generation.completions)
+    completions = {request.key: completion for request, completion in zip(requests, generation.completions)}
 
     for row in rows:
         row.pop("stop", None)
-        completion = Completion([], [], FinishReason.FAILED) if row["failed"] else next(completions)
+        completion = completions.get(row["rollout_id"], Completion([], [], FinishReason.LENGTH))
         thinking, content = split_thinking(tokenizer.decode(completion.token_ids, skip_special_tokens=True))
         row.update(
             iteration=iteration,
