@@ -3,9 +3,10 @@
 - `thread`: in the flow's own process (tool calls still run in killable worker processes).
 - `ray`: as Ray tasks through prefect-ray, on an in-process local Ray kept on 127.0.0.1, or on
   the cluster at `runner.ray_address`; execute-tools further splits its rows over
-  `runner.shards` Ray tasks (tool calls are independent per row). Generation and training stay
-  in the process that holds the model. The runner changes where a stage runs, never its
-  version or its bytes.
+  `runner.shards` Ray tasks (tool calls are independent per row); without Ray to run on, an
+  error (RunnerError), never a quiet run in this process. Generation and training stay in the
+  process that holds the model. The runner changes where a stage runs, never its version or its
+  bytes.
 
 Which stages may run on Ray is the stage table's `distributed` (pipeline/stage_table.py).
 
@@ -19,7 +20,6 @@ must be reachable from the nodes.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -101,15 +101,26 @@ def stage_runner(config: RunnerConfig) -> Iterator[Any | None]:
 def map_row_shards(
     function: Callable[..., datasets.Dataset], rows: datasets.Dataset, config: RunnerConfig, *args: Any
 ) -> datasets.Dataset:
-    """function(rows, *args) for a row-wise stage: in this process, or, inside a ray runner,
-    over `config.shards` contiguous row shards as Ray tasks. The result is rebuilt as one table
-    in row order, so it is the same dataset (and the same bytes on disk) either way."""
-    shards = min(config.shards, len(rows))
-    if config.kind != "ray" or shards < 2 or importlib.util.find_spec("ray") is None:
-        return function(rows, *args)
-    import ray
+    """function(rows, *args) for a row-wise stage. With the thread runner, in this process. With
+    the ray runner, this process is the stage's Ray task: one shard runs here, more run over
+    `config.shards` contiguous row shards as Ray tasks. The result is rebuilt as one table in row
+    order, so it is the same dataset (and the same bytes on disk) either way.
 
+    Outside Ray the ray runner is an error, not a quiet run in this process."""
+    if config.kind == "thread":
+        return function(rows, *args)
+    try:
+        import ray
+    except ImportError:
+        raise RunnerError("runner 'ray' needs the ray extra: pip install 'mtrl[ray]'") from None
     if not ray.is_initialized():
+        raise RunnerError(
+            "runner 'ray', but this process is not connected to Ray: with the ray runner a stage runs as a "
+            "Ray task, submitted by pipeline.flows.run_stage to the runner that stage_runner starts; "
+            "runner.kind: thread runs it in this process"
+        )
+    shards = min(config.shards, len(rows))
+    if shards < 2:
         return function(rows, *args)
     remote = ray.remote(function)
     parts = ray.get([remote.remote(rows.shard(shards, i, contiguous=True), *args) for i in range(shards)])

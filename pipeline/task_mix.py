@@ -50,8 +50,9 @@ def turn_limit(config: RunConfig) -> int:
 
 
 def check_environments(config: RunConfig) -> None:
-    """Every task of the mix is registered, has tools, and its tools are registered and have a
-    JSON schema (a typed signature and a docstring with an Args section), checked before any work."""
+    """Every task of the mix is registered, has tools, and its tools are registered, have a JSON
+    schema (a typed signature and a docstring with an Args section) and, with tools.sandbox,
+    can be imported by a sandbox worker: checked before any work."""
     for name, _ in config.task.mix():
         if name not in ENVIRONMENTS:
             raise ValueError(f"unknown task '{name}'; valid: {', '.join(sorted(ENVIRONMENTS))}")
@@ -71,6 +72,8 @@ def check_environments(config: RunConfig) -> None:
                     f"tool '{tool}' of environment '{name}' has no usable JSON schema: {exc} "
                     "(it needs type hints and a Google-style docstring with an Args section)"
                 ) from None
+            if config.tools.sandbox and not execute_tools.importable_by_name(execute_tools.TOOLS[tool]):
+                raise ValueError(f"tool '{tool}' of environment '{name}' {execute_tools.NOT_SANDBOXABLE}")
 
 
 def rollout_starts(config: RunConfig, iteration: int) -> list[dict[str, Any]]:

@@ -128,7 +128,12 @@ class ToolsConfig(Section):
     max_output_chars: int = Field(
         2000, ge=16, description="Tool output beyond this many characters is truncated (and marked)."
     )
-    sandbox: bool = Field(True, description="Run each call in its own killable process (else in a thread).")
+    sandbox: bool = Field(
+        True,
+        description="Run each call in its own worker process, killed at the timeout, with the memory limit; every "
+        "tool must then be a module-level function of an importable module (checked at run start). false runs "
+        "calls in threads: no kill, no memory limit.",
+    )
     memory_mb: int = Field(512, ge=16, description="Memory a sandboxed tool call may add, in MB.")
 
 

@@ -240,6 +240,33 @@ def test_a_broken_environment_is_a_clear_error_before_any_rollout(monkeypatch, e
         rollout_starts(RunConfig(task={"name": env.name, "rollouts": 2, "group_size": 2}), iteration=0)
 
 
+def closure_tool():
+    def doubled(x: int) -> str:
+        """Double a number.
+
+        Args:
+            x: The number.
+        """
+        return str(2 * x)
+
+    return doubled
+
+
+class ClosureToolEnv(CalculatorEnv):
+    name, tools = "closure-tool", ("doubled",)
+
+
+def test_a_tool_a_sandbox_worker_cannot_import_is_refused_at_run_start(monkeypatch):
+    monkeypatch.setitem(ENVIRONMENTS, ClosureToolEnv.name, ClosureToolEnv())
+    monkeypatch.setitem(TOOLS, "doubled", closure_tool())
+    task = {"name": ClosureToolEnv.name, "rollouts": 2, "group_size": 2}
+    message = "tool 'doubled' of environment 'closure-tool' cannot run in a sandbox worker"
+    with pytest.raises(ValueError, match=re.escape(message)) as refused:
+        rollout_starts(RunConfig(task=task), iteration=0)
+    assert "module-level function" in str(refused.value) and "tools.sandbox: false" in str(refused.value)
+    assert len(rollout_starts(RunConfig(task=task, tools={"sandbox": False}), iteration=0)) == 2  # threads, chosen
+
+
 def test_turns_to_solve_averages_solved_rollouts_and_censors_unsolved_ones_at_the_limit():
     # Four guess-number rollouts (limit 50): solved after 3 turns, solved after 7, gave up at
     # turn 2 (unsolved), and failed (infrastructure: counted in neither mean).

@@ -84,3 +84,16 @@ def test_row_shards_run_as_ray_tasks_and_come_back_in_order(monkeypatch):
     assert address == "127.0.0.1"  # kept on loopback
     assert order == list(range(10))
     assert stage_pid not in pids and len(set(pids)) >= 2  # other workers did the rows
+
+
+def test_row_shards_of_the_ray_runner_outside_ray_are_an_error_not_a_silent_in_process_run():
+    import datasets
+
+    from pipeline.runners import RunnerError, map_row_shards
+    from schemas.config import RunnerConfig
+
+    rows = datasets.Dataset.from_dict({"x": list(range(4))})
+    for shards in (1, 2):
+        with pytest.raises(RunnerError, match="not connected to Ray"):
+            map_row_shards(_tag_with_pid, rows, RunnerConfig(kind="ray", shards=shards))
+    assert map_row_shards(_tag_with_pid, rows, RunnerConfig(kind="thread", shards=2))["pid"] == [os.getpid()] * 4

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import toolbox
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stages.execute_tools import TOOLS, ToolCall, calculate, parse_tool_calls, run_tool_calls, tool_schema
+from stages.execute_tools import TOOLS, ToolCall, calculate, calls, parse_tool_calls, run_tool_calls, tool_schema
 
 
 def test_parse_well_formed_calls_in_order():
@@ -89,6 +90,8 @@ TOOLS_UNDER_TEST = {
     "memory_hog": toolbox.memory_hog,
     "crashing_tool": toolbox.crashing_tool,
     "long_tool": toolbox.long_tool,
+    "segfaulting_tool": toolbox.segfaulting_tool,
+    "chatty_tool": toolbox.chatty_tool,
 }
 
 
@@ -170,7 +173,29 @@ def test_the_task_is_injected_into_tools_that_take_it():
     assert "task" not in tool_schema(TOOLS["guess"])["function"]["parameters"]["properties"]
 
 
-def test_tools_that_cannot_be_sent_to_a_worker_run_in_a_thread():
+def test_a_crashed_worker_reports_how_it_ended_and_the_end_of_its_stderr():
+    (chatty, crashed) = run_tool_calls(
+        [ToolCall("chatty_tool", {"megabytes": 4}, None, "a"), ToolCall("segfaulting_tool", {}, None, "b")],
+        TOOLS_UNDER_TEST,
+        30,
+    )
+    assert chatty.content == "done"  # megabytes of stderr do not block a worker
+    assert crashed.error == "crashed" and "signal SIGSEGV" in crashed.content
+    assert "loading libfoo" in crashed.content  # what the tool printed
+    assert "Segmentation fault" in crashed.content and "toolbox.py" in crashed.content  # the Python traceback
+
+
+def test_a_worker_that_cannot_start_reports_the_end_of_its_stderr(tmp_path, monkeypatch):
+    broken = tmp_path / "worker.py"
+    broken.write_text("import sys\nsys.exit('cannot start: libfoo.so is missing')\n")
+    monkeypatch.setattr(calls, "WORKER_SCRIPT", broken)
+    monkeypatch.setattr(calls, "_POOL", calls._WorkerPool())  # no idle worker to reuse
+    (result,) = run_tool_calls([ToolCall("slow_tool", {"seconds": 0})], TOOLS_UNDER_TEST, 30)
+    assert result.error == "crashed" and "no worker process could start" in result.content
+    assert "exit code 1" in result.content and "libfoo.so is missing" in result.content
+
+
+def test_a_tool_a_worker_cannot_import_is_refused_by_the_sandbox_and_runs_in_a_thread_without_it():
     def local_tool(x: int) -> str:
         """A closure.
 
@@ -179,7 +204,11 @@ def test_tools_that_cannot_be_sent_to_a_worker_run_in_a_thread():
         """
         return str(x * 2)
 
-    (result,) = run_tool_calls([ToolCall("local_tool", {"x": 21})], {"local_tool": local_tool}, 5.0)
+    call, tools = ToolCall("local_tool", {"x": 21}), {"local_tool": local_tool}
+    with pytest.raises(ValueError, match="tool 'local_tool' cannot run in a sandbox worker") as refused:
+        run_tool_calls([call], tools, 5.0)
+    assert "module-level function" in str(refused.value) and "tools.sandbox: false" in str(refused.value)
+    (result,) = run_tool_calls([call], tools, 5.0, sandbox=False)
     assert result.content == "42"
 
 

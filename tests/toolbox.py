@@ -1,6 +1,9 @@
 """Misbehaving tools for the tests. A light module on purpose: tool workers load it by file."""
 
+import ctypes
 import os
+import resource
+import sys
 import time
 
 
@@ -42,6 +45,24 @@ def memory_hog(megabytes: int) -> str:
 def crashing_tool() -> str:
     """Kill its own process, as a segfault in a native library would."""
     os._exit(139)
+
+
+def segfaulting_tool() -> str:
+    """Say what it is about to do, then dereference NULL, as a bug in a native library would."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file in the working directory
+    print("loading libfoo", flush=True)  # a worker's stdout is its stderr
+    ctypes.string_at(0)
+    return "unreachable"
+
+
+def chatty_tool(megabytes: int) -> str:
+    """Write a lot to stderr, then answer.
+
+    Args:
+        megabytes: how much
+    """
+    sys.stderr.write("x" * (megabytes * 2**20))
+    return "done"
 
 
 def long_tool() -> str:

@@ -22,8 +22,10 @@ from schemas.features import EXECUTE_TOOLS, FinishReason, StopReason, dataset_fr
 from schemas.token_stream import generation_prompt_ids, observation_token_ids
 from stages.execute_tools.calls import (
     FAILURE_KINDS,
+    NOT_SANDBOXABLE,
     ToolCall,
     ToolResult,
+    importable_by_name,
     parse_tool_calls,
     run_tool_calls,
     tool_schema,
@@ -33,6 +35,7 @@ from stages.execute_tools.tools import TOOLS, calculate, get_weather, guess
 
 __all__ = [
     "FAILURE_KINDS",
+    "NOT_SANDBOXABLE",
     "TOOLS",
     "ToolCall",
     "ToolResult",
@@ -41,6 +44,7 @@ __all__ = [
     "failure_counts",
     "get_weather",
     "guess",
+    "importable_by_name",
     "parse_tool_calls",
     "run_tool_calls",
     "tool_schema",

@@ -2,7 +2,9 @@
 schema, and run the calls of one message concurrently, each in a killable process.
 
 Nothing here raises on model output. Every failure becomes a ToolResult whose `content` the
-model can read and whose `error` is one of FAILURE_KINDS.
+model can read and whose `error` is one of FAILURE_KINDS. A tool that cannot run as configured
+(the sandbox on, and a tool a worker cannot import) is a configuration error: a ValueError,
+which pipeline/task_mix.py's check_environments raises at run start already.
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ import atexit
 import functools
 import inspect
 import json
+import os
 import re
 import select
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -148,6 +153,14 @@ def _check(call: ToolCall, tools: dict[str, Callable[..., Any]]) -> ToolResult |
 # ----------------------------------------------------------------------------- running
 
 WORKER_SCRIPT = Path(__file__).with_name("worker.py")
+# How much of a dead worker's stderr its error result quotes: the rollout's `failure` keeps the
+# first 1000 characters of the message, which leaves room for the words around the quote.
+STDERR_TAIL_BYTES = 800
+NOT_SANDBOXABLE = (
+    "cannot run in a sandbox worker, which imports a tool by module and name (a lambda, a closure, "
+    "a method or a function of __main__ cannot be): move it to a module-level function of an importable "
+    "module, or set tools.sandbox: false to run tools in threads, with no kill at the deadline and no memory limit"
+)
 
 
 def _truncate(text: str, max_chars: int) -> str:
@@ -156,23 +169,43 @@ def _truncate(text: str, max_chars: int) -> str:
     return text[:max_chars] + f"... [truncated {len(text) - max_chars} characters]"
 
 
+def _exit_status(returncode: int) -> str:
+    """'exit code 1', or 'signal SIGSEGV' for a process a signal ended (Popen's negative codes)."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        return f"signal {signal.Signals(-returncode).name}"
+    except ValueError:  # a real-time signal has no name
+        return f"signal {-returncode}"
+
+
 class _Worker:
-    """One tool process (worker.py): JSON lines in and out, killed when a call overruns."""
+    """One tool process (worker.py): JSON lines in and out, killed when a call overruns.
+
+    Its stderr (tracebacks, faulthandler's dump on a fatal signal, what tools print) goes to a
+    temporary file, not a pipe that nobody reads, so a worker never blocks on it; once the
+    worker is dead, `exit_report` says how it ended and quotes the end of that file.
+    """
 
     def __init__(self, memory_mb: int):
         self.memory_mb = memory_mb
         self.modules: set[str] = set()
+        self.stderr = tempfile.TemporaryFile()
+        self.exit_report = ""  # set by kill()
         self.process = subprocess.Popen(
             [sys.executable, str(WORKER_SCRIPT), str(memory_mb)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self.stderr,
             text=True,
             bufsize=1,
             start_new_session=True,  # a signal to our process group does not reach it mid-call
         )
-        self.process.stdin.write(json.dumps(sys.path) + "\n")
-        self.process.stdin.flush()
+        try:
+            self.process.stdin.write(json.dumps(sys.path) + "\n")
+            self.process.stdin.flush()
+        except OSError:  # it died at once: wait_ready finds out
+            pass
 
     def wait_ready(self, timeout_s: float) -> bool:
         return self._readline(time.monotonic() + timeout_s) is not None
@@ -194,12 +227,18 @@ class _Worker:
         return True
 
     def _readline(self, deadline: float) -> str | None:
+        """The worker's next line, or None when it wrote none by the deadline or closed its stdout (died)."""
         ready, _, _ = select.select([self.process.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        return self.process.stdout.readline() if ready else None
+        return (self.process.stdout.readline() or None) if ready else None
 
     def call(self, tool: Callable[..., Any], arguments: dict, deadline: float, max_chars: int) -> ToolResult | None:
         """The result, or None when the worker overran the deadline or died (then it is killed)."""
         request = {"module": tool.__module__, "name": tool.__qualname__, "arguments": arguments, "max_chars": max_chars}
+        # Each call starts an empty stderr file: a crash is reported with what this call wrote,
+        # and a tool that prints on every call cannot fill the disk. The worker, waiting for
+        # this request, shares the file's offset, so both go back to 0.
+        os.ftruncate(self.stderr.fileno(), 0)
+        os.lseek(self.stderr.fileno(), 0, os.SEEK_SET)
         try:
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
@@ -216,9 +255,18 @@ class _Worker:
         return self.process.poll() is None
 
     def kill(self) -> None:
+        """End the process if it still runs; keep how it ended in `exit_report`."""
         if self.alive():
             self.process.kill()
         self.process.wait()
+        if self.stderr.closed:
+            return
+        fd = self.stderr.fileno()
+        size = os.fstat(fd).st_size
+        tail = os.pread(fd, STDERR_TAIL_BYTES, max(0, size - STDERR_TAIL_BYTES)).decode(errors="replace").strip()
+        self.stderr.close()
+        status = _exit_status(self.process.returncode)
+        self.exit_report = f"{status}; its stderr ends with:\n{tail}" if tail else f"{status}, nothing on its stderr"
 
 
 class _WorkerPool:
@@ -231,13 +279,14 @@ class _WorkerPool:
         self._lock = threading.Lock()
         atexit.register(self.close)
 
-    def reserve(self, count: int, memory_mb: int, modules: set[str]) -> list[_Worker]:
-        """Workers ready to call tools of these modules (fewer if some fail to start)."""
+    def reserve(self, count: int, memory_mb: int, modules: set[str]) -> tuple[list[_Worker], str]:
+        """Workers ready to call tools of these modules (fewer if some fail to start), and the
+        exit report of one that failed to start ('' when all started)."""
         with self._lock:
             taken = [w for w in self._idle if w.memory_mb == memory_mb and w.alive()][:count]
             self._idle = [w for w in self._idle if w not in taken]
         started = [_Worker(memory_mb) for _ in range(count - len(taken))]
-        ready = []
+        ready, start_failure = [], ""
         for worker in taken + started:
             if (worker in taken or worker.wait_ready(self.STARTUP_TIMEOUT_S)) and worker.preload(
                 modules, self.STARTUP_TIMEOUT_S
@@ -245,7 +294,8 @@ class _WorkerPool:
                 ready.append(worker)
             else:
                 worker.kill()
-        return ready
+                start_failure = worker.exit_report
+        return ready, start_failure
 
     def release(self, workers: list[_Worker]) -> None:
         with self._lock:
@@ -261,8 +311,9 @@ class _WorkerPool:
 _POOL = _WorkerPool()
 
 
-def _sendable(tool: Callable[..., Any]) -> bool:
-    """Can a worker import this tool by name (a module-level function)?"""
+def importable_by_name(tool: Callable[..., Any]) -> bool:
+    """Can a sandbox worker import this tool by module and name (a module-level function of a
+    module other than __main__)?"""
     module = sys.modules.get(getattr(tool, "__module__", None) or "")
     target = module
     for part in getattr(tool, "__qualname__", "<lambda>").split("."):
@@ -287,18 +338,24 @@ def run_tool_calls(
     sandbox: bool = True,
     memory_mb: int = 512,
 ) -> list[ToolResult]:
-    """Run the calls of one message concurrently. Never raises; failures become error results.
+    """Run the calls of one message concurrently. Never raises on model output: failures become
+    error results.
 
     With `sandbox` each call runs in a separate worker process with a memory limit, killed
-    at the deadline (and replaced). Tools a worker cannot import by name (lambdas, closures,
-    functions of __main__) run in a thread, which is abandoned, not killed, at the deadline.
+    at the deadline (and replaced); a tool a worker cannot import by name (a lambda, a closure,
+    a function of __main__) is a ValueError, whichever calls the model made. Without it each
+    call runs in a thread, which is abandoned, not killed, at the deadline.
     `task` is passed to tools that take a `task` parameter.
     """
+    if sandbox:
+        for name, tool in tools.items():
+            if not importable_by_name(tool):
+                raise ValueError(f"tool '{name}' {NOT_SANDBOXABLE}")
     rejected = [_check(call, tools) for call in calls]
     runnable = [i for i, rejection in enumerate(rejected) if rejection is None]  # call indexes
-    isolated = [i for i in runnable if sandbox and _sendable(tools[calls[i].name])]
+    isolated = runnable if sandbox else []
     modules = {tools[calls[i].name].__module__ for i in isolated}
-    workers = _POOL.reserve(len(isolated), memory_mb, modules) if isolated else []
+    workers, start_failure = _POOL.reserve(len(isolated), memory_mb, modules) if isolated else ([], "")
     worker_of = dict(zip(isolated, workers))
     deadline = time.monotonic() + timeout_s  # the calls run concurrently: one shared deadline
 
@@ -308,16 +365,19 @@ def run_tool_calls(
         for name in INJECTED_PARAMETERS:
             if name in inspect.signature(tool).parameters:
                 arguments[name] = task
-        if index not in isolated:
+        if not sandbox:
             return _call_in_thread(tool, arguments, max_output_chars)
         if index not in worker_of:
-            return ToolResult(f"Error: no worker process could start for tool '{call.name}'", "crashed")
-        result = worker_of[index].call(tool, arguments, deadline, max_output_chars)
+            message = f"Error: no worker process could start for tool '{call.name}' ({start_failure})"
+            return ToolResult(_truncate(message, max_output_chars), "crashed")
+        worker = worker_of[index]
+        result = worker.call(tool, arguments, deadline, max_output_chars)
         if result is not None:
             return result
         if time.monotonic() >= deadline:
             return ToolResult(f"Error: tool '{call.name}' timed out after {timeout_s:g} s", "timeout")
-        return ToolResult(f"Error: tool '{call.name}' crashed its worker process", "crashed")
+        message = f"Error: tool '{call.name}' crashed its worker process ({worker.exit_report})"
+        return ToolResult(_truncate(message, max_output_chars), "crashed")
 
     pool = ThreadPoolExecutor(max_workers=max(1, min(16, len(runnable))), thread_name_prefix="mtrl-tool")
     futures = {i: pool.submit(run, i) for i in runnable}

@@ -8,11 +8,13 @@ nothing it does not need). The first input line is the parent's sys.path; then e
 is answered with {"content": ..., "error": null | "raised"}; {"import": {module: file}} loads
 tool modules ahead of time and is answered with {"imported": true}. JSON both ways: the parent never
 unpickles anything a tool could have shaped. The parent kills a worker that overruns its
-deadline and starts another.
+deadline and starts another. Everything else a worker writes (what tools print, tracebacks)
+goes to stderr, which the parent quotes when a worker dies.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import importlib.util
 import json
@@ -54,6 +56,7 @@ def _truncate(text: str, max_chars: int) -> str:
 
 
 def serve(memory_mb: int) -> None:
+    faulthandler.enable()  # a fatal signal (a segfault in a native library) dumps the Python stack to stderr
     replies = sys.stdout
     sys.stdout = sys.stderr  # a tool that prints must not corrupt the reply channel
     sys.path[:] = json.loads(sys.stdin.readline())
