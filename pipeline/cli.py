@@ -116,18 +116,19 @@ def validate_choices(config: RunConfig) -> None:
 def command_run(args: argparse.Namespace) -> None:
     config = build_config(args)
     validate_choices(config)
-    from pipeline import prefect_env
-
-    prefect_env.configure_api(config.store.runs_dir, config.runner.kind)
-    from pipeline.flows import rl_training
     from pipeline.models import resolve_model_dir
-    from pipeline.runners import RunnerError
     from stages.policy import load_tokenizer
 
     try:
         load_tokenizer(resolve_model_dir(config.model.path))
     except ModelError as exc:
         raise UsageError(str(exc)) from None
+    from pipeline import prefect_env
+
+    prefect_env.configure_api(config.store.runs_dir, config.runner.kind)  # after the checks: it starts a server
+    from pipeline.flows import rl_training
+    from pipeline.runners import RunnerError
+
     started = time.time()
     try:
         results = rl_training(config)

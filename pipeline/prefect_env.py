@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import os
 import socket
 import subprocess
@@ -56,29 +57,43 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
+def starting_alone(home: str | Path) -> Iterator[None]:
+    """Hold while a Prefect server starts on the database in `home`. Servers that start together
+    on a new database all run its migrations, and all but one fail ("database is locked": two
+    `mtrl run` on a new runs directory); Prefect restarts its temporary server on another port,
+    after a traceback. One start at a time per home: the next server finds the database ready."""
+    Path(home).mkdir(parents=True, exist_ok=True)
+    with open(Path(home) / ".server-start.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        yield
+
+
+@contextlib.contextmanager
 def local_server(home: str | Path, timeout_s: float = 180) -> Iterator[str]:
     """A real `prefect server start` on 127.0.0.1 (a free port) with its own PREFECT_HOME, for
     processes that cannot share an ephemeral server (Ray workers, deployments). Yields the API
     URL and stops the server on exit."""
-    port = free_port()
     environment = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     environment.pop("PREFECT_API_URL", None)
-    Path(home).mkdir(parents=True, exist_ok=True)
-    with open(Path(home) / "server.log", "ab") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"],
-            env=environment,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}/api"
-    try:
+    with starting_alone(home):
+        port = free_port()  # after the wait, so that the port is still free
+        server_args = ["server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"]
+        url = f"http://127.0.0.1:{port}/api"
+        with open(Path(home) / "server.log", "ab") as log:
+            server = subprocess.Popen(
+                [sys.executable, "-m", "prefect", *server_args],
+                env=environment,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout_s
         while not _healthy(url):
             if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
                 raise RuntimeError(f"the Prefect server did not start; see {Path(home) / 'server.log'}")
             time.sleep(0.5)
+    try:
         yield url
     finally:
         server.terminate()
@@ -96,10 +111,17 @@ def _healthy(url: str) -> bool:
 
 
 def configure_api(runs_dir: str | Path, runner_kind: str) -> None:
-    """configure(), plus a local server for the Ray runner when PREFECT_API_URL is unset: Ray
-    workers are other processes and must all report to one API."""
+    """configure(), then the API this process reports to: PREFECT_API_URL when it is set, else a
+    local server for the Ray runner (Ray workers are other processes and must all report to one
+    API), else Prefect's temporary server, started now and alone (see starting_alone)."""
     configure(runs_dir)
-    if runner_kind != "ray" or os.environ.get("PREFECT_API_URL"):
+    if os.environ.get("PREFECT_API_URL"):
+        return
+    if runner_kind != "ray":
+        from prefect import get_client  # (importing prefect also sets up its logging)
+
+        with starting_alone(os.environ["PREFECT_HOME"]), get_client(sync_client=True):
+            pass  # get_client started the temporary server, which the flows then use
         return
     # Stopped at exit, after Prefect's own exit hooks have sent the last logs (hooks run in
     # reverse order of registration, and this one is registered before Prefect starts).

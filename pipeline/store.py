@@ -8,7 +8,9 @@ A version is a content hash of the stage name, the stage's code version, its con
 the versions of its inputs: same inputs and config give the same version (a cache hit);
 anything else gives a new folder beside the old ones. A folder is written under a hidden
 temporary name in the same directory and renamed into place only when complete, so a crash
-never leaves a half-written version that a later run could mistake for a finished one.
+never leaves a half-written version that a later run could mistake for a finished one; the
+temporary name says which host and process writes it, so a later run removes only what a dead
+writer left behind.
 The manifest records a digest of every file, so edited or corrupted versions are detected.
 """
 
@@ -20,7 +22,9 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -43,6 +47,10 @@ datasets.disable_caching()
 STORED = (*STAGES, POLICY)  # the folders of a runs directory
 MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
+# A writer holds its temporary folder only while it saves one finished version (seconds to
+# minutes), so a folder untouched for a day is stale whoever wrote it (a reused pid, a host
+# that went away).
+TMP_MAX_AGE_S = 24 * 3600
 VERSION_CHARS = 16
 
 
@@ -117,6 +125,30 @@ def _fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def this_host() -> str:
+    """This machine's name as temporary folder names hold it: a file name's characters only,
+    never '@' (it separates the writer's pid from its host)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64]
+
+
+def tmp_folder_name(version: str) -> str:
+    """`.tmp-<version>-<random>-<pid>@<host>`: a folder of a shared filesystem (a Ray cluster)
+    names the machine whose process writes it, since a pid means something only there."""
+    return f"{TMP_PREFIX}{version}-{uuid.uuid4().hex[:8]}-{os.getpid()}@{this_host()}"
+
+
+def tmp_folder_writer(name: str) -> tuple[str | None, int] | None:
+    """(host, pid) of the process writing a temporary folder. The host is None for the older
+    name `.tmp-<version>-<pid>-<random>` (older mtrl, one machine). None: not a temporary name."""
+    head, at, host = name.rpartition("@")
+    try:
+        if at:
+            return host, int(head.rsplit("-", 1)[1])
+        return None, int(name.split("-")[-2])
+    except (IndexError, ValueError):
+        return None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -310,7 +342,7 @@ class Store:
         if self.exists(stage, version):
             return self.manifest(stage, version)
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f"{TMP_PREFIX}{version}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = final.parent / tmp_folder_name(version)
         tmp.mkdir()
         started = time.time()
         try:
@@ -372,18 +404,26 @@ class Store:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
     def clean_stale_tmp(self) -> list[Path]:
-        """Remove temporary folders left by writers that died (their pid is gone)."""
+        """Remove temporary folders left by writers that died. A folder of this host goes when
+        its writer's pid is gone; one of another host (a Ray node on a shared filesystem) is
+        left alone, since this machine cannot see that host's processes, unless it is older than
+        TMP_MAX_AGE_S, like any folder. Folders in the older naming count as this host's."""
         removed = []
+        here, now = this_host(), time.time()
         for stage in STORED:
             folder = self.root / stage
             if not folder.is_dir():
                 continue
             for entry in folder.glob(f"{TMP_PREFIX}*"):
-                try:
-                    pid = int(entry.name.split("-")[-2])
-                except (IndexError, ValueError):
+                writer = tmp_folder_writer(entry.name)
+                if writer is None:
                     continue
-                if not _pid_alive(pid):
+                host, pid = writer
+                try:
+                    too_old = now - entry.stat().st_mtime > TMP_MAX_AGE_S
+                except FileNotFoundError:  # its writer finished and renamed it meanwhile
+                    continue
+                if too_old or (host in (None, here) and not _pid_alive(pid)):
                     shutil.rmtree(entry, ignore_errors=True)
                     removed.append(entry)
         return removed

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import datasets
 import pytest
@@ -87,6 +88,58 @@ def test_a_killed_writer_leaves_only_a_hidden_temporary_folder_that_is_cleaned(t
     assert not store.exists("generate-rollouts", "v1") and store.versions() == []
     assert store.clean_stale_tmp() == leftovers
     assert list((tmp_path / "generate-rollouts").iterdir()) == []
+
+
+def killed_writer(runs_dir, version: str, hostname: str | None = None) -> None:
+    """A process that dies (SIGKILL) while writing `version`, on this machine or, with
+    `hostname`, as if it ran on another node of a cluster sharing the filesystem."""
+    pretend = f"import socket; socket.gethostname = lambda: {hostname!r}\n" if hostname else ""
+    script = pretend + (
+        "import os; from pipeline.store import Store\n"
+        "def fill(folder):\n"
+        "    os.kill(os.getpid(), 9)\n"
+        f"Store({str(runs_dir)!r}).write('generate-rollouts', {version!r}, fill, {{'parents': {{}}}})\n"
+    )
+    assert subprocess.run([sys.executable, "-c", script], env=os.environ.copy()).returncode == -9
+
+
+def test_only_this_hosts_dead_writers_lose_their_temporary_folders(tmp_path):
+    """On a filesystem shared by a Ray cluster, a pid that does not exist here may be a live
+    writer on another node: its folder stays (until it is a day old). Here, a dead pid's goes."""
+    store = Store(tmp_path)
+    killed_writer(tmp_path, "other-node", hostname="node-2.cluster")  # its pid does not exist here
+    killed_writer(tmp_path, "dead-here")
+    folder = tmp_path / "generate-rollouts"
+    (other_node,) = folder.glob(".tmp-other-node-*")
+    (dead_here,) = folder.glob(".tmp-dead-here-*")
+    removed_during_a_live_write = []
+
+    def fill(tmp):  # a writer of this host that is alive: the test process itself
+        removed_during_a_live_write.extend(store.clean_stale_tmp())
+        assert tmp.is_dir()
+        return {}
+
+    store.write("generate-rollouts", "live-here", fill, {"parents": {}})
+    assert other_node.is_dir()
+    assert removed_during_a_live_write == [dead_here]
+    assert store.exists("generate-rollouts", "live-here")
+
+    day_old = time.time() - 24 * 3600 - 60
+    os.utime(other_node, (day_old, day_old))
+    assert store.clean_stale_tmp() == [other_node]
+    assert sorted(p.name for p in folder.iterdir()) == ["live-here"]
+
+
+def test_temporary_folders_of_older_mtrl_count_as_this_hosts(tmp_path):
+    store = Store(tmp_path)
+    folder = tmp_path / "assign-rewards"
+    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True).stdout
+    dead = folder / f".tmp-0123456789abcdef-{int(dead_pid)}-1a2b3c4d"  # `.tmp-<version>-<pid>-<random>`
+    live = folder / f".tmp-fedcba9876543210-{os.getpid()}-1a2b3c4d"
+    dead.mkdir(parents=True)
+    live.mkdir()
+    assert store.clean_stale_tmp() == [dead]
+    assert live.is_dir()
 
 
 def test_manifest_records_lineage_and_digests_detect_edits(tmp_path):

@@ -1,0 +1,110 @@
+"""Runs of `mtrl run` on one store at the same time, as a user starts them (each with Prefect's
+temporary server on the runs directory's database): every run succeeds, and no version is lost,
+mixed into the other run's lineage or written twice (slow: about a minute)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.store import Store
+
+pytestmark = pytest.mark.slow
+ARGS = ["--iterations", "2", "--task", "calculator", "--rollouts", "2", "--group-size", "2", "--max-turns", "1"]
+ARGS += ["--set", "generation.max_new_tokens=8"]
+# no PREFECT_API_URL and no PREFECT_HOME: each run starts a temporary server on RUNS_DIR/.prefect
+USER_ENVIRONMENT = {
+    name: value for name, value in os.environ.items() if name not in ("PREFECT_API_URL", "PREFECT_HOME")
+}
+
+
+def start(runs_dir: Path, seed: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "pipeline.cli", "run", "--runs-dir", str(runs_dir), "--seed", str(seed), *ARGS]
+    return subprocess.Popen(command, env=USER_ENVIRONMENT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def final_policy(run: subprocess.Popen) -> str:
+    """Waits for a run; the policy version it reports last."""
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 0, out[-3000:] + err[-6000:]
+    assert "Traceback" not in err, err[-6000:]  # nothing failed on the way, not even something retried
+    return Path(re.findall(r"^\s+policy\s+(\S+)$", out, re.MULTILINE)[-1]).name
+
+
+def stored_versions(runs_dir: Path) -> dict[str, str]:
+    """stage/version -> when it was written; and no temporary folder left behind."""
+    assert list(runs_dir.rglob(".tmp-*")) == []
+    return {f"{m.stage}/{m.version}": m.created_at for m in Store(runs_dir).versions()}
+
+
+def test_runs_started_together_on_one_store_keep_their_versions_apart(tmp_path):
+    runs = tmp_path / "runs"
+    started = time.monotonic()
+    # seeds 1 and 2 write different versions; the second run of seed 1 must find the first's
+    runs_started = [start(runs, seed=1), start(runs, seed=2), start(runs, seed=1)]
+    policies = [final_policy(run) for run in runs_started]
+    print(f"three runs at once: {time.monotonic() - started:.0f} s")
+    assert policies[2] == policies[0] != policies[1]
+
+    store = Store(runs)
+    for manifest in store.versions():
+        assert store.verify(manifest.stage, manifest.version) == [], f"{manifest.stage}/{manifest.version}"
+    for policy in store.versions("policy"):
+        store.policy_dir(policy.version)  # checks the digests of an imported starting model too
+    lineages, writers = {}, {}
+    for seed, policy in ((1, policies[0]), (2, policies[1])):
+        lineage = store.lineage("policy", policy)
+        lineages[seed] = {f"{m.stage}/{m.version}" for m in lineage}
+        writers[seed] = {m.extra("process")["pid"] for m in lineage if m.extra("process")}  # datasets record it
+        for manifest in lineage:
+            if manifest.stage == "policy" and not manifest.parents:
+                continue  # the imported starting model: the one version both runs share
+            recorded = store.lineage_config(manifest.stage, manifest.version)
+            assert recorded["seed"] == seed, f"{manifest.stage}/{manifest.version} in the lineage of seed {seed}"
+    assert writers[1] <= {runs_started[0].pid, runs_started[2].pid} and writers[2] == {runs_started[1].pid}
+    (starting_model,) = lineages[1] & lineages[2]
+    assert starting_model.startswith("policy/")
+    stored = stored_versions(runs)
+    assert set(stored) == lineages[1] | lineages[2]
+
+    for seed in (1, 2):  # alone, each run finds all of its versions: nothing is written again
+        final_policy(start(runs, seed))
+        assert stored_versions(runs) == stored
+
+
+START_API = """
+import sys
+from pipeline import prefect_env
+prefect_env.configure(sys.argv[1])
+from prefect import get_client
+print("imported", file=sys.stderr, flush=True)
+prefect_env.configure_api(sys.argv[1], "thread")  # what `mtrl run` does before its flows
+with get_client(sync_client=True) as client:  # what a flow does first: start a server if there is none
+    assert client.api_healthcheck() is None
+"""
+
+
+def test_a_run_starts_its_prefect_server_only_while_no_other_is_starting_on_its_database(tmp_path):
+    """Temporary servers that start at once on a new database all run its migrations and all but
+    one fail ("database is locked"; Prefect restarts them after a traceback): one at a time."""
+    runs, log = tmp_path / "runs", tmp_path / "stderr.log"
+    (runs / ".prefect").mkdir(parents=True)
+    with open(runs / ".prefect" / ".server-start.lock", "w") as lock, log.open("w") as stderr:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # as a run whose server is starting holds it
+        process = subprocess.Popen([sys.executable, "-c", START_API, str(runs)], env=USER_ENVIRONMENT, stderr=stderr)
+        deadline = time.monotonic() + 120
+        while "imported" not in log.read_text() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "imported" in log.read_text(), log.read_text()[-6000:]
+        time.sleep(3)  # ample time to start a server (without waiting, it says so at once)
+        assert "Starting temporary server" not in log.read_text()
+        assert process.poll() is None
+    assert process.wait(timeout=120) == 0, log.read_text()[-6000:]  # the lock is free: it starts now
+    assert "Starting temporary server" in log.read_text() and "Traceback" not in log.read_text()
