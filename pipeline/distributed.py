@@ -27,7 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +37,8 @@ from pipeline import ppo_worker
 from schemas.config import RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository the workers must import, as this process does
-LAST_LINES = 30  # of the job's output, quoted in a failure
+LAST_LINES = 30  # of torchrun's own output and of each rank's, kept to quote in a failure
+RANK_PREFIX = re.compile(r"^\[default(\d+)\]:")  # torchrun --tee: "[default<local rank>]:" before each line
 
 
 class TrainingProcessError(RuntimeError):
@@ -97,9 +98,10 @@ def check_devices(config: RunConfig) -> None:
         )
 
 
-def failure_message(returncode: int, world_size: int, tail: list[str]) -> str:
-    """Which rank failed first and how, from torchrun's "Root Cause" report."""
-    report = "\n".join(tail)
+def failure_message(returncode: int, world_size: int, tails: dict[str, deque[str]]) -> str:
+    """Which rank failed first and how, from torchrun's "Root Cause" report, with that rank's
+    last lines of output (its traceback) and torchrun's."""
+    report = "\n".join(tails["torchrun"])
     root = report[report.find("Root Cause") :] if "Root Cause" in report else ""
     rank = re.search(r"rank\s*:\s*(\d+)", root)
     code = re.search(r"exitcode\s*:\s*(-?\d+)", root)
@@ -108,7 +110,11 @@ def failure_message(returncode: int, world_size: int, tail: list[str]) -> str:
     if code:
         value = int(code.group(1))
         how = f" (killed by {signal.Signals(-value).name})" if value < 0 else f" (exit code {value})"
-    return f"ppo-update failed: training process {who} died{how}; no policy was written. Last lines:\n{report}"
+    own = "\n".join(tails.get(rank.group(1), [])) if rank else ""
+    return (
+        f"ppo-update failed: training process {who} died{how}; no policy was written.\n"
+        f"Its last lines:\n{own}\ntorchrun:\n{report}"
+    )
 
 
 def train_with_torchrun(
@@ -135,18 +141,20 @@ def train_with_torchrun(
     }
     request.write_text(json.dumps(payload))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    tail: deque[str] = deque(maxlen=LAST_LINES)
+    tails: dict[str, deque[str]] = defaultdict(lambda: deque(maxlen=LAST_LINES))  # "torchrun", "0", "1", ...
     command = torchrun_command(config.ppo.world_size, request)
     log(f"ppo-update on {config.ppo.world_size} processes: {' '.join(command)}")
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
     try:
         for line in job.stdout:
             line = line.rstrip("\n")
-            progress = line.partition("]:")[2] if line.startswith("[default") else ""
-            if progress.startswith(ppo_worker.PROGRESS) and report_progress is not None:
-                report_progress(float(progress.split()[1]))
+            rank = RANK_PREFIX.match(line)
+            text = line[rank.end() :] if rank else line
+            if rank and text.startswith(ppo_worker.PROGRESS):
+                if report_progress is not None:
+                    report_progress(float(text.split()[1]))
                 continue
-            tail.append(line)
+            tails[rank.group(1) if rank else "torchrun"].append(text)
             log(line)
         returncode = job.wait()
     finally:
@@ -154,6 +162,6 @@ def train_with_torchrun(
             job.terminate()
             job.wait()
     if returncode != 0:
-        raise TrainingProcessError(failure_message(returncode, config.ppo.world_size, list(tail)))
+        raise TrainingProcessError(failure_message(returncode, config.ppo.world_size, tails))
     result = json.loads((work / ppo_worker.RESULT).read_text())
     return TrainedOnRanks(work / ppo_worker.POLICY_FILES, **result)

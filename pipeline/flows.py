@@ -313,7 +313,10 @@ def ppo_update_task(
                     log=get_run_logger().info,
                     **training,
                 )
-                memory = {"launcher": memory, "ranks": trained.memory_per_rank}
+                # the largest rank's peak, as one process reports its own; then each rank's
+                ranks = trained.memory_per_rank
+                memory = {name: max(rank[name] for rank in ranks) for name in ("rss_before_mb", "peak_rss_mb")}
+                memory["ranks"] = ranks
         next_policy = version_key(POLICY, POLICY_CODE_VERSION, {}, {"ppo-update": version})
         policy_manifest = {
             "parents": {"ppo-update": version},

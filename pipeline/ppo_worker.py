@@ -19,9 +19,11 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import datasets
+import torch
 import torch.distributed as dist
 
 from pipeline.memory import peak_memory
@@ -33,8 +35,18 @@ PROGRESS = "mtrl-progress"  # rank 0 prints "mtrl-progress 0.25" after each opti
 REQUEST, RESULT, POLICY_FILES = "request.json", "result.json", "policy"
 
 
-def report_progress(done: float) -> None:
-    print(f"{PROGRESS} {done:.6f}", flush=True)
+def progress_reporter(rank: int, memory: dict[str, float]) -> Callable[[float], None]:
+    """After each optimiser step: rank 0 prints the share done; every rank notes its peak
+    memory so far (the update's peak, before rank 0 gathers the whole policy to write it)."""
+
+    def report(done: float) -> None:
+        memory["update_peak_rss_mb"] = memory.get("peak_rss_mb", 0.0)
+        if torch.cuda.is_available():
+            memory["update_cuda_peak_allocated_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        if rank == 0:
+            print(f"{PROGRESS} {done:.6f}", flush=True)
+
+    return report
 
 
 def main(request_path: str) -> None:
@@ -54,11 +66,11 @@ def main(request_path: str) -> None:
             temperature=config.generation.temperature,
             seed=request["seed"],
             device=config.model.device,
-            report_progress=report_progress if ranks.rank == 0 else None,
+            report_progress=progress_reporter(ranks.rank, memory),
             ranks=ranks,
         )
     train_s = time.perf_counter() - started  # load, old logprobs, update, gather (not the start-up)
-    memory_per_rank = ranks.gather(memory)
+    memory_per_rank = ranks.gather({**memory, "torch_threads": torch.get_num_threads()})
     if trained is not None:  # rank 0
         trained.save(work / POLICY_FILES)
         result = {

@@ -330,6 +330,7 @@ def ppo_update(
             if report_progress is not None:
                 report_progress(len(metrics) / n_steps)
     progress.close()
+    optimizer.zero_grad(set_to_none=True)  # the last step's gradients: no longer needed, free them
     if config.gradient_checkpointing:
         scorer.model.gradient_checkpointing_disable()
     scorer.eval()
@@ -418,6 +419,8 @@ def train_policy(
         model = model.merge_and_unload()
     writer = ranks.rank == 0
     optimizer_state = optimizer_tensors(optimizer, model, value_head, keep=writer) if optimizer else None
+    if optimizer is not None:
+        optimizer.state.clear()  # its whole copy is in optimizer_state: free the shards before gathering the model
     if ranks.distributed:
         model = gather_model(trained, policy_dir, keep=writer)
     if not writer:
