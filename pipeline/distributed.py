@@ -39,6 +39,7 @@ from schemas.config import RunConfig
 ROOT = Path(__file__).resolve().parent.parent  # the repository the workers must import, as this process does
 LAST_LINES = 30  # of torchrun's own output and of each rank's, kept to quote in a failure
 RANK_PREFIX = re.compile(r"^\[default(\d+)\]:")  # torchrun --tee: "[default<local rank>]:" before each line
+PROGRESS_LINE = re.compile(rf"{ppo_worker.PROGRESS} ([0-9]+\.[0-9]+)")
 
 
 class TrainingProcessError(RuntimeError):
@@ -150,12 +151,13 @@ def train_with_torchrun(
             line = line.rstrip("\n")
             rank = RANK_PREFIX.match(line)
             text = line[rank.end() :] if rank else line
-            if rank and text.startswith(ppo_worker.PROGRESS):
+            progress = PROGRESS_LINE.fullmatch(text) if rank else None
+            if progress:
                 if report_progress is not None:
-                    report_progress(float(text.split()[1]))
+                    report_progress(float(progress.group(1)))
                 continue
             tails[rank.group(1) if rank else "torchrun"].append(text)
-            log(line)
+            log(line)  # any other line, and a progress line that torchrun's tee glued to the next one
         returncode = job.wait()
     finally:
         if job.poll() is None:  # this process was interrupted: stop the job with it

@@ -169,3 +169,15 @@ def test_lora_on_several_processes_is_refused_by_the_config():
     with pytest.raises(ValueError, match="LoRA updates run in one process"):
         RunConfig(ppo={"world_size": 2, "lora_rank": 4})
     assert torch.distributed.is_available()
+
+
+def test_the_failure_names_the_rank_torchrun_reports_first_and_quotes_its_last_lines():
+    from collections import deque
+
+    from pipeline.distributed import failure_message
+
+    report = ["Root Cause (first observed failure):", "[0]:", "  rank      : 1 (local_rank: 1)", "  exitcode  : 1"]
+    tails = {"torchrun": deque(report), "0": deque(["a line of rank 0"]), "1": deque(["Traceback", "ValueError: boom"])}
+    message = failure_message(1, 2, tails)
+    assert message.startswith("ppo-update failed: training process rank 1 of 2 died (exit code 1)")
+    assert "ValueError: boom" in message and "a line of rank 0" not in message.split("torchrun:")[0]
