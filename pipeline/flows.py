@@ -15,24 +15,26 @@ code, the config fields it depends on and its inputs' versions. The store on dis
 
 import functools
 import os
+import shutil
 import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from uuid import UUID
+from uuid import UUID, uuid4
 
 import datasets
 from prefect import flow, get_run_logger, task
 
 from pipeline.artifacts import generation_progress, ppo_progress, publish_stage, publish_summary, turn_progress
 from pipeline.audit import audit_before_training
+from pipeline.distributed import train_with_torchrun
 from pipeline.evaluate import execute_turn, generate_turn
 from pipeline.memory import peak_memory
 from pipeline.models import resolve_model_dir
 from pipeline.runners import map_row_shards, stage_runner
 from pipeline.stage_table import POLICY, STAGES
-from pipeline.store import Store, copy_files, file_digests, version_key
+from pipeline.store import TMP_PREFIX, Store, copy_files, file_digests, version_key
 from pipeline.task_mix import load_plugins, task_turn_limits, turn_limit
 from schemas.config import RunConfig
 from schemas.features import PPO_UPDATE, dataset_from_rows, token_counts
@@ -280,28 +282,54 @@ def compute_advantages_task(
 def ppo_update_task(
     store: Store, config: RunConfig, parents: dict[str, str], iteration: int
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
-    """Train the policy on the iteration's rollouts; write the next policy, then the metrics."""
+    """Train the policy on the iteration's rollouts (in this process, or as ppo.world_size
+    processes under torchrun); write the next policy, then the metrics."""
     turns = store.load("compute-advantages", parents["compute-advantages"])
     report = audit_before_training(store, parents["compute-advantages"], turns, config, seed=config.seed + iteration)
-    with peak_memory() as memory:  # this stage's own peak (resident set; CUDA allocator)
-        trained = ppo_update.train_policy(
-            turns,
-            store.policy_dir(parents[POLICY]),
-            config=config.ppo,
-            train_critic=config.advantage.estimator in compute_advantages.NEEDS_VALUES,
-            temperature=config.generation.temperature,
-            seed=config.seed + iteration,
-            device=config.model.device,
-            report_progress=ppo_progress(iteration),
-        )
     version = stage_version(config, "ppo-update", parents, {"iteration": iteration})
-    next_policy = version_key(POLICY, POLICY_CODE_VERSION, {}, {"ppo-update": version})
-    policy_manifest = {"parents": {"ppo-update": version}, "code_version": POLICY_CODE_VERSION, "iteration": iteration}
-    # a rebuilt policy (its folder was deleted) must be the bytes that later versions were made from
-    written_before = (
-        store.manifest("ppo-update", version).extra("policy_files") if store.exists("ppo-update", version) else None
-    )
-    written = store.write(POLICY, next_policy, trained.save, policy_manifest, expected_files=written_before)
+    training = {
+        "train_critic": config.advantage.estimator in compute_advantages.NEEDS_VALUES,
+        "seed": config.seed + iteration,
+        "report_progress": ppo_progress(iteration),
+    }
+    work = store.root / "ppo-update" / f"{TMP_PREFIX}{version}-train-{os.getpid()}-{uuid4().hex[:8]}"
+    try:
+        with peak_memory() as memory:  # this stage's own peak (resident set; CUDA allocator)
+            if config.ppo.world_size == 1:
+                trained = ppo_update.train_policy(
+                    turns,
+                    store.policy_dir(parents[POLICY]),
+                    config=config.ppo,
+                    temperature=config.generation.temperature,
+                    device=config.model.device,
+                    **training,
+                )
+            else:
+                trained = train_with_torchrun(
+                    config,
+                    turns_dir=store.path("compute-advantages", parents["compute-advantages"]),
+                    policy_dir=store.policy_dir(parents[POLICY]),
+                    work=work,
+                    log=get_run_logger().info,
+                    **training,
+                )
+                # the largest rank's peak, as one process reports its own; then each rank's
+                ranks = trained.memory_per_rank
+                memory = {name: max(rank[name] for rank in ranks) for name in ("rss_before_mb", "peak_rss_mb")}
+                memory["ranks"] = ranks
+        next_policy = version_key(POLICY, POLICY_CODE_VERSION, {}, {"ppo-update": version})
+        policy_manifest = {
+            "parents": {"ppo-update": version},
+            "code_version": POLICY_CODE_VERSION,
+            "iteration": iteration,
+        }
+        # a rebuilt policy (its folder was deleted) must be the bytes that later versions were made from
+        written_before = (
+            store.manifest("ppo-update", version).extra("policy_files") if store.exists("ppo-update", version) else None
+        )
+        written = store.write(POLICY, next_policy, trained.save, policy_manifest, expected_files=written_before)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return dataset_from_rows(trained.metrics, PPO_UPDATE), {
         "metrics": ppo_update.metrics_summary(trained.metrics),
         "audit": report.as_dict(),

@@ -29,8 +29,8 @@ def current_rss_bytes() -> int | None:
 @contextmanager
 def peak_memory(interval_s: float = 0.005) -> Iterator[dict[str, Any]]:
     """Yields a dict that, after the block, holds rss_before_mb and peak_rss_mb (the resident
-    set sampled every interval_s: a spike shorter than that can be missed) and, on CUDA,
-    cuda_peak_allocated_mb since the block began."""
+    set sampled every interval_s: a spike shorter than that can be missed; inside the block it
+    holds the peak so far) and, on CUDA, cuda_peak_allocated_mb since the block began."""
     result: dict[str, Any] = {}
     before = current_rss_bytes()
     peak = [before or 0]
@@ -39,6 +39,7 @@ def peak_memory(interval_s: float = 0.005) -> Iterator[dict[str, Any]]:
     def sample() -> None:
         while not done.wait(interval_s):
             peak[0] = max(peak[0], current_rss_bytes() or 0)
+            result["peak_rss_mb"] = round(peak[0] / 2**20, 1)  # the peak so far, readable inside the block
 
     sampler = threading.Thread(target=sample, name="peak-rss", daemon=True)
     if torch.cuda.is_available():

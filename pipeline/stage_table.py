@@ -180,7 +180,7 @@ STAGES: dict[str, Stage] = {
             features=features.PPO_UPDATE,
             config=("ppo", "seed", "generation.temperature"),
             derived=("device",),
-            code=("stages/ppo_update.py",),
+            code=("stages/ppo_update.py", "pipeline/ppo_worker.py"),  # ppo.world_size > 1: its torchrun worker
             rerun_from="compute-advantages",
         ),
     )

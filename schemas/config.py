@@ -242,6 +242,31 @@ class PPOConfig(Section):
         description="Audit: stop the iteration, writing no policy, when more than this share of its rollouts "
         "failed (tools crashed, environments raised): a run where everything fails must not look like success.",
     )
+    world_size: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Training processes of ppo-update: >1 runs it under torchrun on this machine, the policy, its "
+        "gradients and AdamW state sharded with FSDP2 (nccl, one GPU per process; gloo on CPU), each process "
+        "taking its share of every mini-batch. The result equals one process up to float rounding, so the world "
+        "size is part of the version. Not with lora_rank > 0.",
+    )
+    collective_timeout_s: float = Field(
+        600.0,
+        gt=0.0,
+        le=86400.0,
+        description="With world_size > 1: a collective (gradient reduction, weight gathering) that waits longer "
+        "than this fails the stage instead of hanging.",
+    )
+
+    @model_validator(mode="after")
+    def _sharding_supports_the_update(self) -> PPOConfig:
+        if self.world_size > 1 and self.lora_rank > 0:
+            raise ValueError(
+                f"world_size={self.world_size} with lora_rank={self.lora_rank}: LoRA updates run in one process "
+                "(set world_size=1, or lora_rank=0 for a sharded full fine-tune)"
+            )
+        return self
 
 
 class StoreConfig(Section):

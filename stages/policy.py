@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
 from schemas.token_stream import rollouts
+from stages.sharding import full_tensor, like_parameter
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -253,6 +254,25 @@ def forward_targets(
     return logprobs, entropy, values
 
 
+class Scorer(torch.nn.Module):
+    """forward_targets as one module call. Under FSDP2 (stages/sharding.py) this is the root
+    unit: its forward gathers the parameters outside the decoder layers (embeddings, final
+    norm, output projection), which forward_targets reaches without calling the model."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        batch: dict[str, torch.Tensor],
+        temperature: float,
+        chunk_tokens: int,
+        value_head: ValueHead | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return forward_targets(self.model, batch, temperature, chunk_tokens, value_head)
+
+
 @torch.no_grad()
 def score_rollouts(
     model: torch.nn.Module,
@@ -319,16 +339,27 @@ def _named_trainable(model: torch.nn.Module, value_head: ValueHead | None) -> di
     return named
 
 
-def save_optimizer_state(
-    optimizer: torch.optim.Optimizer, model: torch.nn.Module, value_head: ValueHead | None, directory: str | Path
-) -> None:
-    """Adam's moments and step count per named parameter, as safetensors beside the policy
-    (never pickle), so the next iteration's update continues the same optimiser."""
+def optimizer_tensors(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module, value_head: ValueHead | None, keep: bool = True
+) -> dict[str, torch.Tensor]:
+    """Adam's moments and step count per named parameter, whole and on the CPU: the form
+    that any world size restores. Sharded moments are gathered one at a time (every rank
+    must call this; the ranks that do not write pass keep=False and get nothing back)."""
     tensors = {}
     for name, param in _named_trainable(model, value_head).items():
         for key, value in optimizer.state.get(param, {}).items():  # step, exp_avg, exp_avg_sq
-            tensors[f"{name}/{key}"] = value.detach().cpu().contiguous()
-    save_file(tensors, Path(directory) / OPTIMIZER_FILE)
+            whole = full_tensor(value).detach()
+            if keep:
+                tensors[f"{name}/{key}"] = whole.cpu().contiguous()
+    return tensors
+
+
+def save_optimizer_state(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module, value_head: ValueHead | None, directory: str | Path
+) -> None:
+    """optimizer_tensors as safetensors beside the policy (never pickle), so the next
+    iteration's update continues the same optimiser."""
+    save_file(optimizer_tensors(optimizer, model, value_head), Path(directory) / OPTIMIZER_FILE)
 
 
 def load_optimizer_state(
@@ -336,7 +367,8 @@ def load_optimizer_state(
 ) -> int:
     """Restore what save_optimizer_state wrote beside a policy; returns how many parameters
     got their state back (0 without a file: a fresh optimiser). A parameter without saved
-    state (a critic added later) starts fresh; a shape that does not match is an error."""
+    state (a critic added later) starts fresh; a shape that does not match is an error.
+    The file holds whole tensors: a sharded parameter (FSDP2) gets this rank's shard."""
     path = Path(directory) / OPTIMIZER_FILE
     if not path.is_file():
         return 0
@@ -355,7 +387,7 @@ def load_optimizer_state(
                     f"{path}: state '{name}/{key}' has shape {tuple(value.shape)}, not {tuple(param.shape)}"
                 )
         # Adam keeps `step` on the CPU (non-capturable); the moments live with the parameter.
-        optimizer.state[param] = {k: v if k == "step" else v.to(param.device, param.dtype) for k, v in state.items()}
+        optimizer.state[param] = {k: v if k == "step" else like_parameter(v, param) for k, v in state.items()}
         restored += 1
     return restored
 
@@ -365,13 +397,13 @@ def save_policy(
     model: torch.nn.Module,
     tokenizer: Any,
     value_head: ValueHead | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer_state: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Everything the next iteration loads: the checkpoint, its tokenizer and, when trained
-    with them, the value head and the AdamW state."""
+    with them, the value head and the AdamW state (optimizer_tensors)."""
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     if value_head is not None:
         value_head.save(directory)
-    if optimizer is not None:
-        save_optimizer_state(optimizer, model, value_head, directory)
+    if optimizer_state is not None:
+        save_file(optimizer_state, Path(directory) / OPTIMIZER_FILE)

@@ -31,17 +31,19 @@ from tqdm.auto import tqdm
 
 from schemas.config import PPOConfig
 from stages.policy import (
+    Scorer,
     Sequence,
     ValueHead,
     collate,
-    forward_targets,
     kl_estimate,
     load_model,
     load_optimizer_state,
     load_tokenizer,
+    optimizer_tensors,
     rollout_sequences,
     save_policy,
 )
+from stages.sharding import SINGLE, Ranks, grad_norm, passes, shard_model
 
 # ---------------------------------------------------------------------------------------
 # 1. Pure functions
@@ -207,14 +209,20 @@ def ppo_update(
     value_head: ValueHead | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     report_progress: Callable[[float], None] | None = None,
+    ranks: Ranks = SINGLE,
 ) -> list[dict[str, float]]:
     """Optimise `model` (and `value_head`, when given) in place on one iteration's rollouts.
     `optimizer` (from build_optimizer, with the previous iteration's state loaded) continues
     one AdamW across iterations, as TRL and verl do; without it a fresh one is built, whose
     first steps move every parameter by about the learning rate (Adam's bias correction), noise
     included. `report_progress` is called after every optimiser step with the share of the
-    steps done. Returns one metrics dict per optimiser step."""
+    steps done. Returns one metrics dict per optimiser step.
+
+    With `ranks` of several processes (stages/sharding.py: `model` sharded by shard_model, the
+    same `turns` and `seed` on every rank) each rank runs its share of every mini-batch and
+    the metrics are global: the same rows as one process, up to float rounding."""
     torch.manual_seed(seed)
+    scorer = model if isinstance(model, Scorer) else Scorer(model)  # a sharded model comes as its Scorer
     device = next(model.parameters()).device
     sequences = [s for s in rollout_sequences(turns) if s.target_positions]
     train_value = value_head is not None and all(len(s.old_values) == len(s.target_positions) for s in sequences)
@@ -225,19 +233,27 @@ def ppo_update(
     # Old logprobs: the policy before this update, recomputed by the training forward pass;
     # generation logprobs differ once kernels or precision differ, which TIS corrects for.
     packed = config.max_tokens_per_micro_batch > 0
-    for chunk in micro_batches(sequences, config.micro_batch_rollouts, config.max_tokens_per_micro_batch):
-        if config.recompute_old_logprobs:
+
+    def split(share: list[Sequence]) -> list[list[Sequence]]:
+        return micro_batches(share, config.micro_batch_rollouts, config.max_tokens_per_micro_batch)
+
+    if config.recompute_old_logprobs:
+        for chunk, weight in passes(sequences, ranks, split):
             with torch.no_grad(), _autocast(device, config.autocast):
-                logprobs, _, _ = forward_targets(
-                    model, collate(chunk, pad_token_id, device, packed), temperature, config.logprob_chunk_tokens
+                logprobs, _, _ = scorer(
+                    collate(chunk, pad_token_id, device, packed), temperature, config.logprob_chunk_tokens
                 )
             offset = 0
-            for seq in chunk:
+            for seq in chunk if weight else []:
                 seq.old_logprobs = logprobs[offset : offset + len(seq.target_positions)].tolist()
                 offset += len(seq.target_positions)
-        else:
-            for seq in chunk:
-                seq.old_logprobs = list(seq.generation_logprobs)
+        # Each rank scored its share; the shuffled mini-batches mix the shares, so all ranks get all.
+        for rank, scored in enumerate(ranks.gather([seq.old_logprobs for seq in ranks.share(sequences)])):
+            for seq, old_logprobs in zip(sequences[rank :: ranks.world_size], scored):
+                seq.old_logprobs = old_logprobs
+    else:
+        for seq in sequences:
+            seq.old_logprobs = list(seq.generation_logprobs)
 
     optimizer = optimizer or build_optimizer(model, config, value_head)
     parameters = optimizer.param_groups[0]["params"]
@@ -249,8 +265,8 @@ def ppo_update(
     # Recompute each layer's activations in backward: less memory, about 1/3 more compute.
     # (gradient_checkpointing_* exist in every transformers 5.x; 5.23 renames them activation_*.)
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
+        scorer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    scorer.train()
     for epoch in range(config.epochs):
         order = list(range(len(sequences)))
         shuffle.shuffle(order)
@@ -259,11 +275,12 @@ def ppo_update(
             minibatch_tokens = sum(len(s.target_positions) for s in minibatch)
             sums: dict[str, float] = {}
             optimizer.zero_grad(set_to_none=True)
-            for micro in micro_batches(minibatch, config.micro_batch_rollouts, config.max_tokens_per_micro_batch):
+            # weight 0: a pass this rank repeats so that it runs as many as the busiest rank
+            for micro, weight in passes(minibatch, ranks, split):
                 batch = collate(micro, pad_token_id, device, packed)
                 with _autocast(device, config.autocast):
-                    logprobs, entropy, values = forward_targets(
-                        model, batch, temperature, config.logprob_chunk_tokens, value_head if train_value else None
+                    logprobs, entropy, values = scorer(
+                        batch, temperature, config.logprob_chunk_tokens, value_head if train_value else None
                     )
                 total, terms, was_clipped, is_weight = token_loss(batch, logprobs, entropy, values, config)
                 shares = {"loss": total, **terms}
@@ -274,7 +291,7 @@ def ppo_update(
                     len(minibatch),
                     config.loss_norm_tokens,
                 )
-                objective = aggregate(total, *args)
+                objective = aggregate(total, *args) * weight
                 objective.backward()
                 with torch.no_grad():
                     log_ratio = logprobs - batch["old_logprobs"]
@@ -288,13 +305,15 @@ def ppo_update(
                         / minibatch_tokens,
                     }
                 for name, value in diagnostics.items():
-                    sums[name] = sums.get(name, 0.0) + float(value)
-                sums["ratio_max"] = max(sums.get("ratio_max", 0.0), float(torch.exp(log_ratio).max()))
-                sums["is_weight_max"] = max(sums.get("is_weight_max", 0.0), float(is_weight.max()))
+                    sums[name] = sums.get(name, 0.0) + weight * float(value)
+                sums["ratio_max"] = max(sums.get("ratio_max", 0.0), weight * float(torch.exp(log_ratio).max()))
+                sums["is_weight_max"] = max(sums.get("is_weight_max", 0.0), weight * float(is_weight.max()))
+            sums = ranks.reduce_metrics(sums)
+            ranks.sum_gradients(critic_parameters)  # the value head is replicated, not sharded
             # Clipped apart: the critic's gradient must not shrink the policy's step.
-            grad_norm = torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm)
+            policy_grad_norm = grad_norm(parameters, config.max_grad_norm)
             if critic_parameters:
-                sums["value_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(critic_parameters, config.max_grad_norm))
+                sums["value_grad_norm"] = grad_norm(critic_parameters, config.max_grad_norm)
             optimizer.step()
             metrics.append(
                 {
@@ -303,7 +322,7 @@ def ppo_update(
                     "rollouts": len(minibatch),
                     "tokens": minibatch_tokens,
                     "learning_rate": config.learning_rate,
-                    "grad_norm": float(grad_norm),
+                    "grad_norm": policy_grad_norm,
                     **sums,
                 }
             )
@@ -311,9 +330,10 @@ def ppo_update(
             if report_progress is not None:
                 report_progress(len(metrics) / n_steps)
     progress.close()
+    optimizer.zero_grad(set_to_none=True)  # the last step's gradients: no longer needed, free them
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_disable()
-    model.eval()
+        scorer.model.gradient_checkpointing_disable()
+    scorer.eval()
     return metrics
 
 
@@ -332,15 +352,15 @@ def metrics_summary(metrics: list[dict[str, Any]]) -> dict[str, float]:
 
 @dataclass
 class TrainedPolicy:
-    model: torch.nn.Module
+    model: torch.nn.Module  # unsharded (on rank 0 of several processes; the other ranks save nothing)
     tokenizer: Any
     value_head: ValueHead | None
-    optimizer: torch.optim.Optimizer | None
+    optimizer_state: dict[str, torch.Tensor] | None  # whole AdamW tensors by parameter name (None: LoRA)
     metrics: list[dict[str, float]]  # one row per optimiser step
     optimizer_state_restored: int  # parameters whose AdamW state continued (0: a fresh optimiser)
 
     def save(self, directory: Path) -> dict[str, Any]:
-        save_policy(directory, self.model, self.tokenizer, self.value_head, self.optimizer)
+        save_policy(directory, self.model, self.tokenizer, self.value_head, self.optimizer_state)
         return {}
 
 
@@ -354,28 +374,37 @@ def train_policy(
     seed: int,
     device: str,
     report_progress: Callable[[float], None] | None = None,
-) -> TrainedPolicy:
+    ranks: Ranks = SINGLE,
+) -> TrainedPolicy | None:
     """ppo-update: load the policy that generated `turns` (the compute-advantages rows) with its
     value head and AdamW state, optimise it on them, and return it ready to save.
 
     Full fine-tuning continues the previous iteration's AdamW (its state is saved beside the
     policy). With ppo.lora_rank > 0 fresh adapters are trained and merged afterwards, so the
-    next policy is a plain checkpoint (and there is no optimiser to continue)."""
+    next policy is a plain checkpoint (and there is no optimiser to continue).
+
+    With several `ranks` (under torchrun, see stages/ppo_worker.py) the policy is sharded with
+    FSDP2 and the value head replicated; rank 0 gets the trained policy back whole, the other
+    ranks None."""
     model, tokenizer = load_model(policy_dir, "float32", device), load_tokenizer(str(policy_dir))
     value_head = None
     if train_critic:
         value_head = ValueHead.load(policy_dir, model.config.hidden_size).to(model.device)
-    optimizer, restored = None, 0
-    if config.lora_rank > 0:
+    if config.lora_rank > 0:  # the config refuses LoRA with several processes
         from peft import LoraConfig, get_peft_model
 
         lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules="all-linear")
         model = get_peft_model(model, lora)
-    else:
+    trained: torch.nn.Module = model  # what ppo_update optimises: the model, or its sharded Scorer
+    if ranks.distributed:
+        trained = Scorer(model)
+        shard_model(trained)  # before the optimiser: sharding replaces the parameters
+    optimizer, restored = None, 0
+    if config.lora_rank == 0:
         optimizer = build_optimizer(model, config, value_head)
         restored = load_optimizer_state(optimizer, model, value_head, policy_dir)
     metrics = ppo_update(
-        model,
+        trained,
         turns,
         config=config,
         temperature=temperature,
@@ -384,7 +413,30 @@ def train_policy(
         value_head=value_head,
         optimizer=optimizer,
         report_progress=report_progress,
+        ranks=ranks,
     )
     if config.lora_rank > 0:
         model = model.merge_and_unload()
-    return TrainedPolicy(model, tokenizer, value_head, optimizer, metrics, restored)
+    writer = ranks.rank == 0
+    optimizer_state = optimizer_tensors(optimizer, model, value_head, keep=writer) if optimizer else None
+    if optimizer is not None:
+        optimizer.state.clear()  # its whole copy is in optimizer_state: free the shards before gathering the model
+    if ranks.distributed:
+        model = gather_model(trained, policy_dir, keep=writer)
+    if not writer:
+        return None
+    return TrainedPolicy(model, tokenizer, value_head, optimizer_state, metrics, restored)
+
+
+def gather_model(sharded: Scorer, policy_dir: str | Path, keep: bool) -> torch.nn.Module | None:
+    """The trained weights of a sharded Scorer, whole, in a plain model on the CPU (a
+    collective: every rank calls it; the ranks that do not write pass keep=False, get None)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors on rank 0 only
+    state = get_model_state_dict(sharded, options=options)
+    if not keep:
+        return None
+    plain = load_model(policy_dir, "float32", "cpu")
+    plain.load_state_dict({name.removeprefix("model."): tensor for name, tensor in state.items()})
+    return plain
