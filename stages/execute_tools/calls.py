@@ -263,7 +263,11 @@ class _Worker:
             return
         fd = self.stderr.fileno()
         size = os.fstat(fd).st_size
-        tail = os.pread(fd, STDERR_TAIL_BYTES, max(0, size - STDERR_TAIL_BYTES)).decode(errors="replace").strip()
+        end = os.pread(fd, 16 * STDERR_TAIL_BYTES, max(0, size - 16 * STDERR_TAIL_BYTES)).decode(errors="replace")
+        # faulthandler closes its dump with one long line listing every loaded extension module:
+        # noise that would push the traceback out of the quote
+        lines = [line for line in end.splitlines() if not line.startswith("Extension modules:")]
+        tail = "\n".join(lines).strip()[-STDERR_TAIL_BYTES:]
         self.stderr.close()
         status = _exit_status(self.process.returncode)
         self.exit_report = f"{status}; its stderr ends with:\n{tail}" if tail else f"{status}, nothing on its stderr"
