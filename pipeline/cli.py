@@ -34,6 +34,7 @@ RUN_FLAGS = {  # flag -> (config field, type, help)
     "--group-size": ("task.group_size", int, "samples per task"),
     "--max-turns": ("task.max_turns", int, "assistant turns per rollout at most"),
     "--advantage": ("advantage.estimator", str, "advantage estimator"),
+    "--engine": ("generation.engine", str, "generation engine: hf or vllm"),
     "--seed": ("seed", int, "seed of tasks, sampling and training"),
     "--model": ("model.path", str, "local HF causal-LM directory or hub id (default: embedded tiny model)"),
     "--runner": ("runner.kind", str, "where tools run: thread or ray"),
@@ -100,6 +101,13 @@ def validate_choices(config: RunConfig) -> None:
         raise UsageError(str(exc)) from None
     if config.generation.engine not in ENGINES:
         raise UsageError(f"unknown generation engine '{config.generation.engine}'; valid: {', '.join(sorted(ENGINES))}")
+    if config.generation.engine == "vllm":  # its environment (or server) is there, before a Prefect server starts
+        from stages.generate_rollouts.vllm_server import EngineError, vllm_version
+
+        try:
+            vllm_version(config.vllm.python, config.vllm.url)
+        except (EngineError, OSError) as exc:
+            raise UsageError(f"generation.engine vllm: {exc}") from None
     if config.advantage.estimator not in ESTIMATORS:
         raise UsageError(
             f"unknown advantage estimator '{config.advantage.estimator}'; valid: {', '.join(sorted(ESTIMATORS))}"
@@ -203,9 +211,11 @@ def command_eval(args: argparse.Namespace) -> None:
         else resolve_model_dir(config.model.path)
     )
     tokenizer = load_tokenizer(model_dir)
-    engine = open_engine(config.generation.engine, model_dir, tokenizer, config.model.dtype, config.model.device)
-    # evaluation tasks come from their own seed, never the training iterations'
-    turns = run_episodes(engine, tokenizer, config, iteration=EVAL_ITERATION)
+    engine = open_engine(model_dir, tokenizer, config)
+    try:  # evaluation tasks come from their own seed, never the training iterations'
+        turns = run_episodes(engine, tokenizer, config, iteration=EVAL_ITERATION)
+    finally:
+        engine.close()
     print(json.dumps({"policy": str(model_dir), **rollout_metrics(turns, task_turn_limits(config))}, indent=2))
 
 

@@ -67,20 +67,33 @@ def cached_tokenizer(model_dir: str) -> Any:
     return load_tokenizer(model_dir)
 
 
-_engine: dict[tuple[str, ...], GenerationEngine] = {}  # at most one: (engine, policy, dtype, device) -> it
+_open_engine: dict[str, Any] = {}  # at most one: {"settings": ..., "model_dir": ..., "engine": ...}
 
 
 def policy_engine(store: Store, config: RunConfig, policy_version: str) -> GenerationEngine:
-    """The engine serving this policy: kept from turn to turn (it holds the rollouts' caches),
-    closed when the next iteration's policy replaces it."""
+    """The engine serving this policy: kept from turn to turn (it holds the rollouts' caches).
+    When the next iteration's policy replaces it, an engine that reloads in place (a vLLM
+    server's weight reload) loads the new checkpoint; any other is opened again on it."""
     model_dir = str(store.policy_dir(policy_version))
-    key = (config.generation.engine, model_dir, config.model.dtype, config.model.device)
-    if key not in _engine:
-        for engine in _engine.values():
-            engine.close()
-        _engine.clear()
-        _engine[key] = open_engine(key[0], model_dir, cached_tokenizer(model_dir), *key[2:])
-    return _engine[key]
+    settings = config.model_dump_json(include={"generation": {"engine"}, "model": {"dtype", "device"}, "vllm": True})
+    if _open_engine.get("settings") == settings and _open_engine["model_dir"] != model_dir:
+        if _open_engine["engine"].reloads_in_place:
+            _open_engine["engine"].load_policy(model_dir)
+            _open_engine["model_dir"] = model_dir
+    if (_open_engine.get("settings"), _open_engine.get("model_dir")) != (settings, model_dir):
+        close_engine()
+        engine = open_engine(model_dir, cached_tokenizer(model_dir), config)
+        _open_engine.update(settings=settings, model_dir=model_dir, engine=engine)
+    return _open_engine["engine"]
+
+
+def close_engine(unless_it_reloads: bool = False) -> None:
+    """Close the open engine (a vLLM server mtrl started stops). After an iteration's turns an
+    engine that would be reopened on the next policy anyway is closed at once, so that its
+    memory (weights, KV cache) is free for the update."""
+    if "engine" in _open_engine and not (unless_it_reloads and _open_engine["engine"].reloads_in_place):
+        _open_engine.pop("engine").close()
+        _open_engine.clear()
 
 
 def import_base_policy(store: Store, config: RunConfig) -> str:
@@ -371,6 +384,7 @@ def rl_iteration(config: RunConfig, iteration: int | None = None, policy_version
             previous = run_stage(execute_tools_task, config, {"generate-rollouts": generated}, runner=runner)
             if store.manifest("execute-tools", previous).active == 0:
                 break
+        close_engine(unless_it_reloads=True)
         generation.finish(f"iteration {iteration}: all rollouts stopped after {turn + 1} turn(s)")
         rewarded = run_stage(assign_rewards_task, config, {"execute-tools": previous}, runner=runner)
         advantaged = run_stage(compute_advantages_task, config, advantage_parents(config, store, rewarded))
@@ -404,9 +418,12 @@ def rl_training(config: RunConfig) -> list[dict[str, Any]]:
         policy_version = import_base_policy(store, config)
     results = []
     with stage_runner(config.runner):  # one Ray for all iterations (each iteration reuses it)
-        for iteration in range(config.iterations):
-            results.append(rl_iteration(config, iteration=iteration, policy_version=policy_version))
-            policy_version = results[-1]["next_policy"]
+        try:
+            for iteration in range(config.iterations):
+                results.append(rl_iteration(config, iteration=iteration, policy_version=policy_version))
+                policy_version = results[-1]["next_policy"]
+        finally:
+            close_engine()
     return results
 
 

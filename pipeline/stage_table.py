@@ -68,7 +68,9 @@ class Stage:
         return config.pick(*self.config)
 
     def derived_values(self, config: RunConfig) -> dict[str, Any]:
-        return {"libraries": shaping_library_versions(), **{name: DERIVED[name](config) for name in self.derived}}
+        values = {name: DERIVED[name](config) for name in self.derived}
+        # None: does not apply to this config (left out, so versions written before it existed stay)
+        return {"libraries": shaping_library_versions(), **{k: v for k, v in values.items() if v is not None}}
 
 
 def source_version(*paths: str | Path) -> str:
@@ -124,9 +126,18 @@ def _environment_code(config: RunConfig) -> dict[str, str]:
     return environment_code(config)
 
 
+def _engine_version(config: RunConfig) -> str | None:
+    if config.generation.engine != "vllm":
+        return None  # the in-process engine's libraries are the shaping libraries
+    from stages.generate_rollouts.vllm_server import vllm_version
+
+    return vllm_version(config.vllm.python, config.vllm.url)
+
+
 DERIVED: dict[str, Callable[[RunConfig], Any]] = {
     "device": _device,  # kernels differ by device, so do the numbers
     "environment_code": _environment_code,  # the environments and tools of the task mix (user plugins too)
+    "engine_version": _engine_version,  # an engine in its own environment: its library's version (vLLM)
 }
 
 STAGES: dict[str, Stage] = {
@@ -138,7 +149,7 @@ STAGES: dict[str, Stage] = {
             inputs=(POLICY, "execute-tools"),  # the policy, and the earlier turns (from turn 1 on)
             features=features.GENERATE_ROLLOUTS,
             config=("generation", "task", "seed", "model.dtype"),
-            derived=("device", "environment_code"),
+            derived=("device", "environment_code", "engine_version"),
             code=("stages/generate_rollouts", "pipeline/task_mix.py", "pipeline/evaluate.py"),
         ),
         Stage(

@@ -102,7 +102,7 @@ class GenerationConfig(Section):
     engine: str = Field(
         "hf",
         description="Generation engine by name (stages/generate_rollouts/engine.py): hf = in-process Hugging Face "
-        "model with per-rollout KV caches, the exact reference.",
+        "model with per-rollout KV caches, the exact reference; vllm = a vLLM server (section vllm).",
     )
     temperature: float = Field(1.0, gt=0.0, le=10.0, description="Sampling temperature; logprobs use the same.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (1 = off).")
@@ -120,6 +120,58 @@ class GenerationConfig(Section):
                 f"max_new_tokens ({self.max_new_tokens}) must be below max_context_tokens "
                 f"({self.max_context_tokens}): one turn must fit a rollout's context with its prompt"
             )
+        truncating = self.top_k > 0 or self.top_p < 1.0
+        if self.engine == "vllm" and truncating and self.temperature != 1.0:
+            # vLLM returns log_softmax(logits) (raw) or the log-probabilities after temperature AND
+            # top-k/top-p (processed); the stored convention is after temperature, before truncation.
+            raise ValueError(
+                "engine vllm cannot return the stored logprob convention (after temperature, before top-k/top-p) "
+                "when top-k/top-p are on and temperature != 1: turn top_k/top_p off or set temperature 1"
+            )
+        return self
+
+
+class VLLMConfig(Section):
+    """Where and how the vLLM server runs (generation.engine = vllm). Not hashed into versions:
+    the sampled numbers depend on the policy, the sampling settings and vLLM's version (hashed),
+    not on where the server runs."""
+
+    python: str | None = Field(
+        None,
+        description="Python of the environment vLLM is installed in (its own: vLLM cannot share one with Prefect); "
+        "null = .venv-vllm/bin/python of this checkout (built by `make setup`).",
+    )
+    url: str | None = Field(
+        None,
+        description="Base URL of a vLLM server you run (e.g. http://gpu-node:8000); null = mtrl starts one on "
+        "127.0.0.1 per policy version and stops it at exit. Its weights are updated in place (reload).",
+    )
+    weight_update: Literal["restart", "reload"] | None = Field(
+        None,
+        description="How the server gets each iteration's policy: restart = a new server on the checkpoint (exact on "
+        "every build); reload = reload_weights in place (needs VLLM_SERVER_DEV_MODE=1 on the server; inexact on "
+        "vLLM's CPU build). null = restart a server mtrl starts, reload a server at `url`. The audit checks either.",
+    )
+    tensor_parallel_size: int = Field(1, ge=1, le=1024, description="vLLM --tensor-parallel-size (GPUs per replica).")
+    data_parallel_size: int = Field(1, ge=1, le=1024, description="vLLM --data-parallel-size (replicas).")
+    gpu_memory_utilization: float = Field(
+        0.15,
+        gt=0.0,
+        le=1.0,
+        description="vLLM --gpu-memory-utilization: the share of GPU memory (on the CPU build: of host memory) vLLM "
+        "reserves for weights and KV cache; leave room for training on the same device.",
+    )
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="More `vllm serve` arguments, passed as they are (e.g. ['--max-num-seqs', '512']).",
+    )
+    start_timeout_s: float = Field(600.0, gt=0.0, description="Seconds a started server may take to become healthy.")
+    request_timeout_s: float = Field(600.0, gt=0.0, description="Seconds one completion request may take.")
+
+    @model_validator(mode="after")
+    def _a_remote_server_is_reloaded(self) -> VLLMConfig:
+        if self.url and self.weight_update == "restart":
+            raise ValueError("vllm.url: mtrl cannot restart a server it did not start; use weight_update reload")
         return self
 
 
@@ -290,6 +342,7 @@ class RunConfig(Section):
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
     generation: GenerationConfig = GenerationConfig()
+    vllm: VLLMConfig = VLLMConfig()
     tools: ToolsConfig = ToolsConfig()
     reward: RewardConfig = RewardConfig()
     advantage: AdvantageConfig = AdvantageConfig()

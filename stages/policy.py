@@ -66,10 +66,11 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "aut
     return model.to(pick_device(device)).eval()
 
 
-def eos_token_ids(tokenizer: Any, model: torch.nn.Module) -> list[int]:
-    """Tokens that end an assistant turn: the tokenizer's EOS plus the model's generation EOS."""
+def eos_token_ids(tokenizer: Any, model: Any) -> list[int]:
+    """Tokens that end an assistant turn: the tokenizer's EOS plus the model's generation EOS.
+    `model` is the model or its GenerationConfig (an engine that does not load the model)."""
     ids = {tokenizer.eos_token_id}
-    configured = getattr(model.generation_config, "eos_token_id", None)
+    configured = getattr(getattr(model, "generation_config", model), "eos_token_id", None)
     ids.update(configured if isinstance(configured, list) else [configured] if configured is not None else [])
     return sorted(i for i in ids if i is not None)
 

@@ -26,7 +26,7 @@ from schemas.token_stream import (
     prompt_token_ids,
     rollouts,
 )
-from stages.generate_rollouts import hf  # noqa: F401  (registers the "hf" engine)
+from stages.generate_rollouts import hf, vllm_server  # noqa: F401  (register the "hf" and "vllm" engines)
 from stages.generate_rollouts.engine import ENGINES, Completion, GenerationEngine, Request, Sampling
 
 __all__ = ["ENGINES", "generate_rollouts", "provenance", "sampling_seed", "split_thinking"]

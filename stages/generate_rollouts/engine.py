@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import datasets
 
+from schemas.config import RunConfig
 from schemas.features import FinishReason
 
 
@@ -55,6 +56,10 @@ class Generation:
 
 class GenerationEngine(Protocol):
     max_model_len: int  # the longest context (prompt + completion) the model takes
+    # Can load_policy serve the next checkpoint exactly and cheaper than closing and opening the
+    # engine again? If not, the flow closes the engine after an iteration's last turn (freeing
+    # its memory for the update) and opens it on the next policy.
+    reloads_in_place: bool
 
     def generate(
         self,
@@ -72,12 +77,18 @@ class GenerationEngine(Protocol):
         """Free what the engine holds (weights, caches, a server)."""
         ...
 
+    def load_policy(self, model_dir: str | Path) -> None:
+        """Serve another checkpoint in place (called only when reloads_in_place)."""
+        ...
 
-# name -> open(model_dir, tokenizer, dtype, device): an engine serving that checkpoint
-ENGINES: dict[str, Callable[[str | Path, Any, str, str], GenerationEngine]] = {}
+
+# name -> open(model_dir, tokenizer, config): an engine serving that checkpoint, configured by
+# the run config (model.dtype, model.device, generation, and the engine's own section)
+ENGINES: dict[str, Callable[[str | Path, Any, RunConfig], GenerationEngine]] = {}
 
 
-def open_engine(name: str, model_dir: str | Path, tokenizer: Any, dtype: str, device: str) -> GenerationEngine:
+def open_engine(model_dir: str | Path, tokenizer: Any, config: RunConfig) -> GenerationEngine:
+    name = config.generation.engine
     if name not in ENGINES:
         raise ValueError(f"unknown generation engine '{name}'; valid: {', '.join(sorted(ENGINES))}")
-    return ENGINES[name](model_dir, tokenizer, dtype, device)
+    return ENGINES[name](model_dir, tokenizer, config)

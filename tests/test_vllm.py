@@ -1,0 +1,205 @@
+"""The vLLM engine on vLLM's CPU build (.venv-vllm, built by `make setup`): real servers, token
+ids in and out, logprobs under the stored convention, seeds, stop strings, weight updates, a
+stale engine caught by the audit, a server killed mid-turn (slow: ~4 minutes, mostly server starts)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.audit import AuditError
+from pipeline.evaluate import run_episodes
+from pipeline.models import EMBEDDED_POLICY
+from pipeline.store import Store
+from schemas.config import RunConfig
+from schemas.features import FinishReason
+from schemas.token_stream import prompt_token_ids, rollouts
+from stages.generate_rollouts import sampling_seed
+from stages.generate_rollouts.engine import Request, Sampling, open_engine
+from stages.generate_rollouts.vllm_server import EngineError
+from stages.policy import load_model, score_rollouts
+
+pytestmark = pytest.mark.slow
+TOLERANCE = 1e-3  # stored vs HF fp32 recompute (measured here: ~3e-5)
+
+
+def vllm_config(runs_dir: Path, **sections) -> RunConfig:
+    return RunConfig(
+        iterations=2,
+        task={"rollouts": 16, "group_size": 4, "max_turns": 3},
+        generation={"engine": "vllm", "max_new_tokens": 64, "max_context_tokens": 1024},
+        ppo={"minibatch_rollouts": 8, "audit_rescore_fraction": 1.0},
+        store={"runs_dir": runs_dir},
+        **sections,
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, tiny):
+    """A vLLM server mtrl starts on the embedded policy (one for the module: a start takes ~30 s)."""
+    _, tokenizer = tiny
+    engine = open_engine(EMBEDDED_POLICY, tokenizer, vllm_config(tmp_path_factory.mktemp("runs")))
+    yield engine
+    engine.close()
+
+
+def max_logprob_difference(model, turns, temperature: float = 1.0) -> float:
+    """Max |stored - HF fp32 recompute| over every completion token of `turns`."""
+    recomputed, _ = score_rollouts(
+        model, turns, temperature=temperature, pad_token_id=0, chunk_tokens=1024, batch_rollouts=8
+    )
+    worst = 0.0
+    for stored, fresh in zip(turns["completion_logprobs"], recomputed):
+        assert len(stored) == len(fresh)
+        if stored:
+            worst = max(worst, float((torch.tensor(stored) - torch.as_tensor(fresh)).abs().max()))
+    return worst
+
+
+def test_multi_turn_rollouts_store_the_sampled_tokens_with_the_logprobs_of_an_hf_recompute(engine, tiny, tmp_path):
+    model, tokenizer = tiny
+    config = vllm_config(tmp_path)
+    turns = run_episodes(engine, tokenizer, config)
+    assert max(turns["turn"]) >= 1  # later turns continue the rollouts' streams (prefix cache)
+    # The recompute below runs over each rollout's stored stream: had the server seen other tokens
+    # than those stored (a re-tokenized prompt, a dropped token), the logprobs would not agree.
+    assert len(rollouts(turns)) == config.task.rollouts
+    eos = set(engine.eos_ids)
+    for row in turns:
+        if row["finish_reason"] == FinishReason.STOP:
+            assert row["completion_token_ids"][-1] in eos  # the EOS token is kept, as the HF engine keeps it
+        elif row["finish_reason"] == FinishReason.LENGTH:
+            assert not eos & set(row["completion_token_ids"])
+    worst = max_logprob_difference(model, turns)
+    print(f"max |vLLM - HF fp32| logprob: {worst:.2g}")
+    assert worst < TOLERANCE
+
+
+def test_a_seed_gives_the_same_tokens_whatever_else_is_in_the_batch(engine, tiny):
+    _, tokenizer = tiny
+    prompt = prompt_token_ids(tokenizer, [{"role": "user", "content": "What is 12 * 7?"}], [], True)
+    requests = [Request(i, prompt, sampling_seed(0, 0, i, 0), 40) for i in range(8)]
+    batch = engine.generate(requests, Sampling(1.0)).completions
+    alone = engine.generate([requests[5]], Sampling(1.0)).completions[0]
+    assert alone.token_ids == batch[5].token_ids and alone.logprobs == pytest.approx(batch[5].logprobs, abs=1e-5)
+    assert len({tuple(c.token_ids) for c in batch}) > 1  # different seeds, different samples
+
+
+def test_a_stop_string_ends_the_turn_at_the_token_that_completes_it(engine, tiny):
+    """The hf engine's rule: stop after the first token whose decoded completion contains the string."""
+    _, tokenizer = tiny
+    prompt = prompt_token_ids(tokenizer, [{"role": "user", "content": "What is 3 + 4?"}], [], True)
+    free = engine.generate([Request(0, prompt, 11, 40)], Sampling(1.0)).completions[0]
+    text = tokenizer.decode(free.token_ids)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), f"pick another seed: {text!r}"
+    expected = next(
+        free.token_ids[:n] for n in range(1, len(free.token_ids) + 1) if stop in tokenizer.decode(free.token_ids[:n])
+    )
+    stopped = engine.generate([Request(0, prompt, 11, 40, stop=(stop,))], Sampling(1.0)).completions[0]
+    assert stopped.finish_reason == FinishReason.STOP_STRING
+    assert stopped.token_ids == expected
+
+
+def test_a_server_that_cannot_start_is_a_clear_error_naming_its_log(tiny, tmp_path):
+    _, tokenizer = tiny
+    no_vllm = vllm_config(tmp_path, vllm={"python": sys.executable})  # mtrl's environment has no vLLM
+    with pytest.raises(EngineError, match=r"exited with code 1 while starting; its log: .*vllm-policy\.log"):
+        open_engine(EMBEDDED_POLICY, tokenizer, no_vllm)
+    assert "No module named" in (tmp_path / "logs" / "vllm-policy.log").read_text()
+    with pytest.raises(EngineError, match="vllm.python: no Python at"):
+        open_engine(EMBEDDED_POLICY, tokenizer, vllm_config(tmp_path, vllm={"python": str(tmp_path / "none")}))
+
+
+def test_the_config_refuses_what_vllm_cannot_do_exactly():
+    with pytest.raises(ValueError, match="cannot return the stored logprob convention"):
+        RunConfig(generation={"engine": "vllm", "top_k": 20, "temperature": 0.7})
+    with pytest.raises(ValueError, match="cannot restart a server it did not start"):
+        RunConfig(vllm={"url": "http://gpu:8000", "weight_update": "restart"})
+
+
+def mtrl_run(runs_dir: Path, env: dict, *flags: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "pipeline.cli", "run", "--runs-dir", str(runs_dir), "--engine", "vllm"]
+    command += ["--iterations", "2", "--rollouts", "16", "--group-size", "4", "--max-turns", "3"]
+    command += ["--set", "generation.max_new_tokens=64", "--set", "ppo.audit_rescore_fraction=1.0", *flags]
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+
+def server_pids(runs_dir: Path) -> list[int]:
+    """The vLLM API servers started for this runs dir (their command line names a policy in it)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in args and any(str(runs_dir).encode() in a for a in args):
+            pids.append(int(cmdline.parent.name))
+    return pids
+
+
+def test_a_server_killed_mid_turn_fails_the_run_clearly_and_the_same_command_resumes(tmp_path, prefect_server_env):
+    """Then the resumed run trains two iterations, each generated by a server restarted on the
+    newest policy, and every stored logprob matches an HF recompute under its generating policy.
+    guess-number: its rollouts are still active after turn 0, so the kill lands in turn 1."""
+    runs = tmp_path / "runs"
+    run = mtrl_run(runs, prefect_server_env, "--task", "guess-number")
+    deadline = time.monotonic() + 300
+    while not list((runs / "execute-tools").glob("[0-9a-f]*")) and time.monotonic() < deadline:
+        assert run.poll() is None, run.communicate()[0][-3000:]
+        time.sleep(0.2)
+    (first_turn,) = list((runs / "execute-tools").glob("[0-9a-f]*"))  # turn 0 is written; turn 1 is generating
+    written = (first_turn / "manifest.json").read_bytes()
+    (pid,) = server_pids(runs)
+    os.killpg(pid, signal.SIGKILL)
+    output = run.communicate(timeout=300)[0]
+    assert run.returncode != 0
+    assert "the vLLM server at http://127.0.0.1:" in output and "killed by signal 9" in output, output[-3000:]
+    assert str(runs / "logs" / "vllm-") in output
+    assert server_pids(runs) == []  # nothing left running
+
+    resumed = mtrl_run(runs, prefect_server_env, "--task", "guess-number")
+    output = resumed.communicate(timeout=900)[0]
+    assert resumed.returncode == 0, output[-3000:]
+    assert (first_turn / "manifest.json").read_bytes() == written  # what was written stayed, and was reused
+    assert server_pids(runs) == []
+
+    store = Store(runs)
+    updates = sorted(store.versions("ppo-update"), key=lambda m: m.iteration)
+    assert [m.iteration for m in updates] == [0, 1]
+    for update in updates:
+        assert update.extra("audit")["rescore_max_abs_diff"] <= TOLERANCE
+        generating = store.generating_policy("compute-advantages", update.parents["compute-advantages"])
+        turns = store.load("compute-advantages", update.parents["compute-advantages"])
+        assert set(turns["policy_version"]) == {generating}
+        policy = load_model(store.policy_dir(generating), "float32", "cpu")
+        assert max_logprob_difference(policy, turns) < TOLERANCE
+    # iteration 1 was generated by the policy iteration 0 wrote, after the weight update (a restart)
+    assert updates[1].parents["policy"] == updates[0].policy
+    assert len(list((runs / "logs").glob("vllm-*.log"))) == 2
+
+
+def test_a_stale_server_fails_the_iterations_audit(engine, tmp_path, prefect_server):
+    """A server at vllm.url is updated in place (reload); vLLM's CPU build keeps its pre-packed
+    weights through a reload, so iteration 1 samples from a stale engine: the audit stops it
+    before ppo-update trains on it. (Runs last: it leaves the module's server stale.)"""
+    from pipeline.flows import close_engine, rl_training
+
+    config = vllm_config(tmp_path / "runs", vllm={"url": engine.url})
+    with pytest.raises(AuditError, match=r"rescore: stored logprobs differ from the stored policy's by up to"):
+        try:
+            rl_training(config)
+        finally:
+            close_engine()
+    store = Store(tmp_path / "runs")
+    assert [m.iteration for m in store.versions("ppo-update")] == [0]  # iteration 0 (fresh weights) trained
+    assert not store.versions("ppo-update") or len(store.versions("policy")) == 2  # no policy from iteration 1
