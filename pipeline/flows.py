@@ -214,8 +214,9 @@ def generate_rollouts_task(
     policy_version, previous = parents[POLICY], parents.get("execute-tools")
     tokenizer = cached_tokenizer(str(store.policy_dir(policy_version)))
     history = store.load_turns(previous) if previous else None
+    engine = policy_engine(store, config, policy_version)
     dataset, replay = generate_turn(
-        policy_engine(store, config, policy_version),
+        engine,
         tokenizer,
         config,
         iteration=iteration,
@@ -224,7 +225,7 @@ def generate_rollouts_task(
         history=history,
         report_progress=turn_progress(progress_artifact, iteration, turn, turn_limit(config)),
     )
-    provenance = generate_rollouts.provenance(config.generation, config.seed, tokenizer)
+    provenance = generate_rollouts.provenance(config.generation, config.seed, tokenizer) | {"engine": engine.describe()}
     # a cold engine (a resumed run) replays the earlier turns first; 0.0 means bit-identical
     return dataset, {"provenance": provenance, "replay": replay}
 

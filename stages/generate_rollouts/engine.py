@@ -77,6 +77,10 @@ class GenerationEngine(Protocol):
         """Free what the engine holds (weights, caches, a server)."""
         ...
 
+    def describe(self) -> dict[str, Any]:
+        """What the manifest's provenance records about the engine (name, version, settings)."""
+        ...
+
     def load_policy(self, model_dir: str | Path) -> None:
         """Serve another checkpoint in place (called only when reloads_in_place)."""
         ...

@@ -69,6 +69,9 @@ class HFEngine:
 
     reloads_in_place = False  # loading the checkpoint is what opening costs
 
+    def describe(self) -> dict[str, Any]:
+        return {"name": "hf", "logprobs": "log_softmax(logits / temperature) of the same forward pass that sampled"}
+
     def load_policy(self, model_dir: str | Path) -> None:
         raise NotImplementedError("the HF engine is opened again on a new checkpoint")
 

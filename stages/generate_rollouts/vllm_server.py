@@ -232,6 +232,8 @@ class VLLMEngine:
         self.server = server
         self.log = str(server.log_path) if server else f"the log of the server at {self.url}"
         self.runs_dir = config.store.runs_dir
+        sampling = Sampling(config.generation.temperature, config.generation.top_k, config.generation.top_p)
+        self.logprobs_mode = logprobs_mode(sampling) if server else None
         self.reloads_in_place = (
             self.settings.weight_update or ("reload" if self.settings.url else "restart")
         ) == "reload"
@@ -254,6 +256,16 @@ class VLLMEngine:
         log_path = Path(config.store.runs_dir) / "logs" / f"vllm-{Path(model_dir).name}.log"
         server = VLLMServer(model_dir, config, log_path)
         return cls(server.url, eos_ids, max_model_len, config, server)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": "vllm",
+            "version": vllm_version(self.settings.python, self.settings.url),
+            "server": "started by mtrl" if self.server else self.url,
+            "weight_update": "reload" if self.reloads_in_place else "restart",
+            # started here: logprobs_mode(sampling); a server at vllm.url: as its operator started it
+            "logprobs_mode": self.logprobs_mode or "as configured on the server (the audit checks it)",
+        }
 
     def load_policy(self, model_dir: str | Path) -> None:
         """Reload the server's weights from this checkpoint (weight_update reload)."""
@@ -309,7 +321,8 @@ class VLLMEngine:
             "return_token_ids": True,
             "stop": list(request.stop),
             "include_stop_str_in_output": True,
-            "stop_token_ids": self.eos_ids,
+            "stop_token_ids": self.eos_ids,  # mtrl's EOS set, the only tokens that end a turn:
+            "ignore_eos": True,  # vLLM's own EOS notion (the tokenizer's) is not consulted
             "skip_special_tokens": False,
         }
         try:
