@@ -159,7 +159,7 @@ def main() -> None:
     args = parser.parse_args()
 
     tokenizer, model = load_tokenizer(EMBEDDED_POLICY), load_model(EMBEDDED_POLICY, "float32", "cpu")
-    with tempfile.TemporaryDirectory() as runs_dir:
+    with tempfile.TemporaryDirectory(prefix="mtrl-bench-") as runs_dir:
         results = {name: measure(name, args, tokenizer, model, Path(runs_dir)) for name in ("hf", "vllm")}
         learning = (
             {name: learning_run(name, Path(runs_dir) / name) for name in ("hf", "vllm")} if args.learning else None

@@ -83,9 +83,13 @@ def test_multi_turn_rollouts_store_the_sampled_tokens_with_the_logprobs_of_an_hf
 
 
 def test_a_seed_gives_the_same_tokens_whatever_else_is_in_the_batch(engine, tiny):
+    """Also with more prompt tokens than one scheduler step takes (96 x ~400): on the CPU build a
+    prompt split over steps killed the engine ("CPU Generator does not use offset")."""
     _, tokenizer = tiny
     prompt = prompt_token_ids(tokenizer, [{"role": "user", "content": "What is 12 * 7?"}], [], True)
+    long_prompt = prompt_token_ids(tokenizer, [{"role": "user", "content": "What is 12 * 7? " * 60}], [], True)
     requests = [Request(i, prompt, sampling_seed(0, 0, i, 0), 40) for i in range(8)]
+    requests += [Request(8 + i, long_prompt, sampling_seed(0, 0, 8 + i, 0), 4) for i in range(96)]
     batch = engine.generate(requests, Sampling(1.0)).completions
     alone = engine.generate([requests[5]], Sampling(1.0)).completions[0]
     assert alone.token_ids == batch[5].token_ids and alone.logprobs == pytest.approx(batch[5].logprobs, abs=1e-5)

@@ -140,6 +140,11 @@ class VLLMServer:
         ]  # fmt: skip
         if pick_device(config.model.device).type == "cpu":
             command.append("--enforce-eager")  # CUDA graphs and torch.compile do not apply on CPU
+            # A prompt split over scheduler steps (chunked prefill) rewinds its seeded generator, which
+            # CPU generators cannot do: the engine dies ("CPU Generator does not use offset"). Whole
+            # prompts only; the step's token budget must then hold the longest one.
+            budget = max(config.generation.max_context_tokens, 8192)
+            command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
         command += settings.extra_args
         log_path.parent.mkdir(parents=True, exist_ok=True)
         environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1"}
@@ -176,7 +181,7 @@ class VLLMServer:
 
     def stop(self) -> None:
         if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.terminate()  # the API server stops its engine and workers itself
             try:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
