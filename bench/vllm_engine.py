@@ -57,7 +57,7 @@ def run_turns(engine, streams: list[list[int]], observation: list[int], turns: i
     sampling, seconds, generated = Sampling(1.0), [], 0
     streams = [list(s) for s in streams]
     for turn in range(turns):
-        requests = [Request(i, s, sampling_seed(0, 0, i, turn), new_tokens) for i, s in enumerate(streams)]
+        requests = [Request(i, list(s), sampling_seed(0, 0, i, turn), new_tokens) for i, s in enumerate(streams)]
         started = time.perf_counter()
         completions = engine.generate(requests, sampling).completions
         seconds.append(time.perf_counter() - started)
@@ -125,6 +125,7 @@ def measure(name: str, args, tokenizer, model, runs_dir: Path) -> dict:
 
 def learning_run(engine: str, runs_dir: Path) -> dict:
     """What a user types, timed; success per iteration and each iteration's audit from the store."""
+    from pipeline.report import iterations
     from pipeline.store import Store
 
     command = [sys.executable, "-m", "pipeline.cli", "run", "--engine", engine, "--runs-dir", str(runs_dir)]
@@ -134,9 +135,7 @@ def learning_run(engine: str, runs_dir: Path) -> dict:
     wall_s = time.perf_counter() - started
     store = Store(runs_dir)
     updates = sorted(store.versions("ppo-update"), key=lambda m: m.iteration)
-    success = [
-        store.ancestor("ppo-update", u.version, "assign-rewards").extra("metrics")["success_rate"] for u in updates
-    ]
+    success = [row["success_rate"] for row in sorted(iterations(store), key=lambda row: row["iteration"])]
     return {
         "wall_s": round(wall_s, 1),
         "success_per_iteration": success,
@@ -166,6 +165,7 @@ def main() -> None:
         )
     hf, vllm = results["hf"], results["vllm"]
     report = {
+        "load_average_at_end": os.getloadavg(),
         "benchmark": "vllm_engine",
         "command": "python bench/vllm_engine.py "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
