@@ -96,9 +96,9 @@ def child(args: list[str], out: Path) -> None:
 
     original_configure = prefect_env.configure_api
 
-    def configure_api(*a: Any, **k: Any) -> None:
+    def configure_api(*a: Any, **k: Any) -> Any:
         marks["checks_done"] = time.time()
-        original_configure(*a, **k)
+        own_api = original_configure(*a, **k)
         marks["prefect_started"] = time.time()
         # the flows module is imported after the API is configured; wrap what it calls now
         import pipeline.flows as flows
@@ -132,6 +132,7 @@ def child(args: list[str], out: Path) -> None:
                 marks["flows_done"] = time.time()
 
         flows.rl_training = rl_training  # command_run imports it after this call
+        return own_api
 
     prefect_env.configure_api = configure_api
     timers.wrap(cli, "write_report", "report")

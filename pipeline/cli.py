@@ -125,13 +125,14 @@ def command_run(args: argparse.Namespace) -> None:
         raise UsageError(str(exc)) from None
     from pipeline import prefect_env
 
-    prefect_env.configure_api(config.store.runs_dir, config.runner.kind)  # after the checks: it starts a server
+    own_api = prefect_env.configure_api(config.store.runs_dir, config.runner.kind)  # after the checks: a server
     from pipeline.flows import rl_training
     from pipeline.runners import RunnerError
 
     started = time.time()
     try:
-        results = rl_training(config)
+        with prefect_env.flow_heartbeats(enabled=not own_api):  # no one reads them on our own server
+            results = rl_training(config)
     except RunnerError as exc:
         raise UsageError(str(exc)) from None
     wall = time.time() - started

@@ -32,6 +32,7 @@ from pipeline.distributed import train_with_torchrun
 from pipeline.evaluate import execute_turn, generate_turn
 from pipeline.memory import peak_memory
 from pipeline.models import resolve_model_dir
+from pipeline.prefect_env import flow_heartbeats
 from pipeline.runners import map_row_shards, stage_runner
 from pipeline.stage_table import POLICY, STAGES
 from pipeline.store import TMP_PREFIX, Store, copy_files, file_digests, version_key
@@ -403,7 +404,9 @@ def rl_training(config: RunConfig) -> list[dict[str, Any]]:
     with store.lock():
         policy_version = import_base_policy(store, config)
     results = []
-    with stage_runner(config.runner):  # one Ray for all iterations (each iteration reuses it)
+    # one Ray for all iterations (each iteration reuses it); the iterations run in this
+    # process, so this run's heartbeat covers them (prefect_env.flow_heartbeats)
+    with stage_runner(config.runner), flow_heartbeats(enabled=False):
         for iteration in range(config.iterations):
             results.append(rl_iteration(config, iteration=iteration, policy_version=policy_version))
             policy_version = results[-1]["next_policy"]

@@ -110,19 +110,20 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def configure_api(runs_dir: str | Path, runner_kind: str) -> None:
+def configure_api(runs_dir: str | Path, runner_kind: str) -> bool:
     """configure(), then the API this process reports to: PREFECT_API_URL when it is set, else a
     local server for the Ray runner (Ray workers are other processes and must all report to one
-    API), else Prefect's temporary server, started now and alone (see starting_alone)."""
+    API), else Prefect's temporary server, started now and alone (see starting_alone).
+    Returns whether that API is this process's own, stopped when it exits."""
     configure(runs_dir)
     if os.environ.get("PREFECT_API_URL"):
-        return
+        return False
     if runner_kind != "ray":
         from prefect import get_client  # (importing prefect also sets up its logging)
 
         with starting_alone(os.environ["PREFECT_HOME"]), get_client(sync_client=True):
             pass  # get_client started the temporary server, which the flows then use
-        return
+        return True
     # Stopped at exit, after Prefect's own exit hooks have sent the last logs (hooks run in
     # reverse order of registration, and this one is registered before Prefect starts).
     server = contextlib.ExitStack()
@@ -130,3 +131,25 @@ def configure_api(runs_dir: str | Path, runner_kind: str) -> None:
     atexit.register(server.close)
     print(f"started a Prefect server for the Ray workers at {url} (PREFECT_API_URL)", file=sys.stderr)
     os.environ["PREFECT_API_URL"] = url
+    return True
+
+
+@contextlib.contextmanager
+def flow_heartbeats(enabled: bool) -> Iterator[None]:
+    """Flow-run heartbeats on or off for the flow runs started inside.
+
+    A heartbeat lets a Prefect server that outlives the process (zombie detection, an
+    automation on its server) mark a run Crashed when its process dies without a word. It costs
+    every flow run up to 1 s at its end: Prefect joins the heartbeat thread, which sleeps in 1 s
+    steps. So mtrl turns it off where nothing can read it: on an API this process started and
+    stops at exit (Prefect's temporary server, the Ray runner's local server), and for the
+    iterations inside an rl-training run, whose own heartbeat covers the process they run in.
+    A crash still shows: the iterations' stage tasks stay un-Completed, the store keeps no half
+    version (atomic writes) and the next run redoes only what is missing."""
+    if enabled:
+        yield
+        return
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):  # the env var cannot say None
+        yield
