@@ -8,7 +8,8 @@ its phases, and splits the process's wall time, as the parent measures it, into:
 
 - process_start_s   interpreter start and the CLI's imports (torch, transformers, datasets)
 - cli_checks_s      config validation, registry and model checks, tokenizer load
-- prefect_start_s   pipeline.prefect_env.configure_api: the Prefect API the flows report to
+- prefect_start_s   the time the CLI waits for the Prefect API the flows report to (it starts
+                    in the background while the CLI checks the config: pipeline.prefect_env)
 - stage_compute_s   the stages' own compute: the sum of the manifests' `wall_s` (per stage too)
 - store_writes_s    Store.write_dataset outside the stages' compute (Arrow save, digests, fsync)
 - artifacts_s       the Prefect artifacts (stage tables, the iteration summary with its plot)
@@ -94,13 +95,22 @@ def child(args: list[str], out: Path) -> None:
     timers = Timers()
     marks: dict[str, float] = {"child_started": CHILD_STARTED, "imported": imported}
 
-    original_configure = prefect_env.configure_api
+    original_start_api = prefect_env.start_api
 
-    def configure_api(*a: Any, **k: Any) -> Any:
-        marks["checks_done"] = time.time()
-        own_api = original_configure(*a, **k)
-        marks["prefect_started"] = time.time()
-        # the flows module is imported after the API is configured; wrap what it calls now
+    def start_api(*a: Any, **k: Any) -> Any:
+        """The API starts in the background: prefect_start_s is the time the CLI waits for it."""
+        wait = original_start_api(*a, **k)
+
+        def timed_wait() -> Any:
+            marks["checks_done"] = time.time()
+            own_api = wait()
+            marks["prefect_started"] = time.time()
+            wrap_flows()
+            return own_api
+
+        return timed_wait
+
+    def wrap_flows() -> None:
         import pipeline.flows as flows
         from pipeline.store import Store
 
@@ -122,20 +132,18 @@ def child(args: list[str], out: Path) -> None:
             return result
 
         flows.rl_iteration = rl_iteration  # rl_training looks the name up at call time
-        original_training = flows.rl_training
 
-        def rl_training(*a: Any, **k: Any) -> Any:
-            marks["flows_started"] = time.time()
-            try:
-                return original_training(*a, **k)
-            finally:
-                marks["flows_done"] = time.time()
+    prefect_env.start_api = start_api
+    write_report = cli.write_report
 
-        flows.rl_training = rl_training  # command_run imports it after this call
-        return own_api
+    def timed_report(*a: Any, **k: Any) -> Any:
+        marks["flows_done"] = time.time()  # the CLI writes the report right after the flows
+        try:
+            return write_report(*a, **k)
+        finally:
+            marks["report_done"] = time.time()
 
-    prefect_env.configure_api = configure_api
-    timers.wrap(cli, "write_report", "report")
+    cli.write_report = timed_report
     status = cli.main(["run", *args])
     marks["cli_done"] = time.time()
     out.write_text(
@@ -185,7 +193,7 @@ def measure_mtrl(mtrl_args: list[str], runs_dir: Path, env: dict[str, str] | Non
     per_stage, per_iteration, generated = stage_compute(runs_dir)
     compute = sum(per_stage.values())
     wall = ended - started
-    flows = marks["flows_done"] - marks["flows_started"]
+    flows = marks["flows_done"] - marks["prefect_started"]
     in_flows = flows - compute - seconds.get("store_writes", 0.0) - seconds.get("artifacts", 0.0)
     split = {
         "process_start_s": marks["imported"] - started,
@@ -195,7 +203,7 @@ def measure_mtrl(mtrl_args: list[str], runs_dir: Path, env: dict[str, str] | Non
         "store_writes_s": seconds.get("store_writes", 0.0),
         "artifacts_s": seconds.get("artifacts", 0.0),
         "orchestration_in_flows_s": in_flows,
-        "report_s": seconds.get("report", 0.0),
+        "report_s": marks["report_done"] - marks["flows_done"],
         "shutdown_s": ended - marks["cli_done"],
     }
     split["unaccounted_s"] = wall - sum(split.values())  # between the flows' end and the report, prints

@@ -115,6 +115,11 @@ def validate_choices(config: RunConfig) -> None:
 
 def command_run(args: argparse.Namespace) -> None:
     config = build_config(args)
+    from pipeline import prefect_env
+
+    # The Prefect API starts in the background while the checks below run (a bad config
+    # stops it again at exit); it is waited for before the first flow run.
+    api_ready = prefect_env.start_api(config.store.runs_dir, config.runner.kind)
     validate_choices(config)
     from pipeline.models import resolve_model_dir
     from stages.policy import load_tokenizer
@@ -123,11 +128,10 @@ def command_run(args: argparse.Namespace) -> None:
         load_tokenizer(resolve_model_dir(config.model.path))
     except ModelError as exc:
         raise UsageError(str(exc)) from None
-    from pipeline import prefect_env
-
-    own_api = prefect_env.configure_api(config.store.runs_dir, config.runner.kind)  # after the checks: a server
     from pipeline.flows import rl_training
     from pipeline.runners import RunnerError
+
+    own_api = api_ready()
 
     started = time.time()
     try:
