@@ -287,6 +287,8 @@ def ppo_update_task(
     processes under torchrun); write the next policy, then the metrics."""
     turns = store.load("compute-advantages", parents["compute-advantages"])
     report = audit_before_training(store, parents["compute-advantages"], turns, config, seed=config.seed + iteration)
+    recompute = config.recomputes_old_logprobs()  # exact generation logprobs are the old ones (the audit re-scored)
+    ppo = config.ppo.model_copy(update={"recompute_old_logprobs": recompute})
     version = stage_version(config, "ppo-update", parents, {"iteration": iteration})
     training = {
         "train_critic": config.advantage.estimator in compute_advantages.NEEDS_VALUES,
@@ -300,14 +302,14 @@ def ppo_update_task(
                 trained = ppo_update.train_policy(
                     turns,
                     store.policy_dir(parents[POLICY]),
-                    config=config.ppo,
+                    config=ppo,
                     temperature=config.generation.temperature,
                     device=config.model.device,
                     **training,
                 )
             else:
                 trained = train_with_torchrun(
-                    config,
+                    config.model_copy(update={"ppo": ppo}),
                     turns_dir=store.path("compute-advantages", parents["compute-advantages"]),
                     policy_dir=store.policy_dir(parents[POLICY]),
                     work=work,
@@ -336,6 +338,7 @@ def ppo_update_task(
         "audit": report.as_dict(),
         "memory": memory,
         "optimizer_state_restored": trained.optimizer_state_restored,
+        "old_logprobs": "recomputed" if recompute else "generation",
         "policy": next_policy,
         "policy_files": written.files,
     }
