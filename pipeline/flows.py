@@ -267,16 +267,27 @@ def compute_advantages_task(
     store: Store, config: RunConfig, parents: dict[str, str]
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
     turns = store.load("assign-rewards", parents["assign-rewards"])
+    reference = parents.get(f"{POLICY}#reference")
+    # the first iteration's rollouts come from the reference policy itself
+    reference_generated = (
+        reference == store.generating_policy("assign-rewards", parents["assign-rewards"])
+        and config.exact_generation_logprobs()
+    )
     scored = compute_advantages.score_with_policies(
         turns,
         critic_dir=store.policy_dir(parents[POLICY]) if POLICY in parents else None,
-        reference_dir=store.policy_dir(parents[f"{POLICY}#reference"]) if f"{POLICY}#reference" in parents else None,
+        reference_dir=store.policy_dir(reference) if reference else None,
         ppo=config.ppo,
         temperature=config.generation.temperature,
         device=config.model.device,
+        reference_generated=reference_generated,
     )
     dataset = compute_advantages.compute_advantages(turns, config.advantage, **scored)
-    return dataset, {"metrics": compute_advantages.advantage_metrics(dataset)}
+    reference_logprobs = None if reference is None else "generation" if reference_generated else "scored"
+    return dataset, {
+        "metrics": compute_advantages.advantage_metrics(dataset),
+        "reference_logprobs": reference_logprobs,
+    }
 
 
 @stage_task("ppo-update")

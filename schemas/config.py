@@ -332,7 +332,12 @@ class RunConfig(Section):
         them, and truncated importance sampling corrects for the difference."""
         if self.ppo.recompute_old_logprobs is not None:
             return self.ppo.recompute_old_logprobs
-        return not (self.generation.engine == "hf" and self.model.dtype == "float32")
+        return not self.exact_generation_logprobs()
+
+    def exact_generation_logprobs(self) -> bool:
+        """Are the stored generation logprobs the generating policy's own, as a training forward
+        pass computes them? Yes for the hf engine in float32 (within 1e-5: tests/test_ppo.py)."""
+        return self.generation.engine == "hf" and self.model.dtype == "float32"
 
     def pick(self, *paths: str) -> dict[str, Any]:
         """These fields as a JSON-normalised partial config (what a stage hashes into its
