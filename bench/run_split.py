@@ -149,6 +149,7 @@ def child(args: list[str], out: Path) -> None:
     out.write_text(
         json.dumps({"status": status, "marks": marks, "seconds": timers.seconds, "iterations": timers.iterations})
     )
+    cli.exit_without_teardown(status)  # as the `mtrl` command exits
 
 
 # ---------------------------------------------------------------------------------------

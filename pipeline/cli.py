@@ -10,14 +10,17 @@ mtrl config [SECTION]            every config field: its --set name, type, defau
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.util
 import json
+import os
 import shutil
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
@@ -436,5 +439,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def entry() -> NoReturn:
+    """The `mtrl` command: main(), then exit_without_teardown."""
+    exit_without_teardown(main())
+
+
+def exit_without_teardown(status: int) -> NoReturn:
+    """Exit as the interpreter does, minus its teardown: after a run that loaded torch,
+    transformers, datasets and Prefect, freeing every module and object one by one took ~1.3 s
+    (2 cores) and wrote nothing. What an exit must do still happens, in the interpreter's order:
+    wait for the threads that are not daemons, run the exit hooks (Prefect sends its last logs,
+    the temporary Prefect server stops, temporary files go, logging flushes), flush stdout and
+    stderr. Files the store writes are closed and fsynced before they are renamed into place."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # (CPython's own call at exit; the hooks are not run twice)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
