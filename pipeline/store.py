@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -101,6 +102,7 @@ def copy_files(source: Path, target: Path, files: dict[str, Any]) -> None:
 _VERIFIED: set[tuple] = set()  # policy folders whose digests matched, by their files' (path, size, mtime)
 
 
+@functools.cache  # a process runs with one set of libraries; each lookup scans the installed packages
 def library_versions() -> dict[str, str]:
     versions = {"python": platform.python_version()}
     for name in ("torch", "transformers", "datasets", "pyarrow", "numpy", "prefect", "mtrl"):
