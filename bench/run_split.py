@@ -133,17 +133,20 @@ def child(args: list[str], out: Path) -> None:
 
         flows.rl_iteration = rl_iteration  # rl_training looks the name up at call time
 
+        import pipeline.report as report
+
+        write_report = report.write_report
+
+        def timed_report(*a: Any, **k: Any) -> Any:
+            marks["flows_done"] = time.time()  # the CLI writes the report right after the flows
+            try:
+                return write_report(*a, **k)
+            finally:
+                marks["report_done"] = time.time()
+
+        report.write_report = timed_report  # command_run imports it when the flows are done
+
     prefect_env.start_api = start_api
-    write_report = cli.write_report
-
-    def timed_report(*a: Any, **k: Any) -> Any:
-        marks["flows_done"] = time.time()  # the CLI writes the report right after the flows
-        try:
-            return write_report(*a, **k)
-        finally:
-            marks["report_done"] = time.time()
-
-    cli.write_report = timed_report
     status = cli.main(["run", *args])
     marks["cli_done"] = time.time()
     out.write_text(

@@ -29,6 +29,11 @@ def prefect_home(runs_dir: str | Path) -> Path:
 
 
 def configure(runs_dir: str | Path) -> None:
+    configure_environment(runs_dir)
+    quiet_libraries()
+
+
+def configure_environment(runs_dir: str | Path) -> None:
     home = prefect_home(runs_dir)
     defaults = {
         "DO_NOT_TRACK": "1",
@@ -46,7 +51,11 @@ def configure(runs_dir: str | Path) -> None:
     for name, value in defaults.items():
         os.environ.setdefault(name, value)
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
-    # the libraries read their variables at import, which may have happened already
+
+
+def quiet_libraries() -> None:
+    """The progress bars off in datasets and transformers: they read their variables at import,
+    which may have happened before configure()."""
     import datasets
     import transformers
 
@@ -224,7 +233,14 @@ def start_api(runs_dir: str | Path, runner_kind: str) -> Callable[[], bool]:
     config, instead of before them. Its URL is fixed now, before anything imports Prefect (which
     reads PREFECT_API_URL when imported), so this process never starts Prefect's own server.
     Servers on one database start one at a time (starting_alone)."""
-    configure(runs_dir)
+    configure_environment(runs_dir)
+    try:
+        return _start_api(runs_dir, runner_kind)
+    finally:
+        quiet_libraries()  # heavy imports: after the server's start
+
+
+def _start_api(runs_dir: str | Path, runner_kind: str) -> Callable[[], bool]:
     if os.environ.get("PREFECT_API_URL"):
         return lambda: False
     if runner_kind == "ray":

@@ -39,7 +39,7 @@ import xxhash
 
 from pipeline.stage_table import POLICY, STAGES
 from schemas.config import RunConfig, deep_merge
-from schemas.manifest import Manifest
+from schemas.manifest import Manifest, StoreError
 
 # datasets writes cache files (map, cast, flatten_indices, ...) next to the data a dataset was
 # loaded from, i.e. *into a finished version folder*. Our stages never need that cache.
@@ -53,10 +53,6 @@ TMP_PREFIX = ".tmp-"
 # that went away).
 TMP_MAX_AGE_S = 24 * 3600
 VERSION_CHARS = 16
-
-
-class StoreError(RuntimeError):
-    """A missing, corrupted or ambiguous version."""
 
 
 def canonical_json(value: Any) -> str:
