@@ -298,8 +298,8 @@ def score_with_policies(
 
     values = score(critic_dir, with_value_head=True)[1] if critic_dir is not None else None
     ref_logprobs = None
-    if reference_generated:
-        ref_logprobs = turns["completion_logprobs"]
+    if reference_generated:  # plain lists: a datasets Column would give the new column a random fingerprint
+        ref_logprobs = [list(logprobs) for logprobs in turns["completion_logprobs"]]
     elif reference_dir is not None:
         ref_logprobs = score(reference_dir, with_value_head=False)[0]
     penalty = None
