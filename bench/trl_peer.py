@@ -7,7 +7,8 @@ The work is mtrl's default run: the embedded policy (fp32, CPU), 10 iterations o
 (8 calculator questions x 8 samples, the questions of mtrl's own task sampler for each
 iteration), the `calculate` tool, up to 4 assistant turns, mtrl's reward (1 for the right final
 number), group-normalised advantages, k3 KL to the starting policy at 0.05 in the loss, AdamW
-lr 1e-4 (constant), 4 optimiser steps of 16 rollouts, one pass, clip 0.2 / 0.28, token-mean loss.
+lr 1e-4 (constant), 4 optimiser steps of 16 rollouts, one pass, clip 0.2 / 0.28, token-mean loss,
+at most 96 new tokens per assistant turn (384 for the whole completion).
 
 TRL runs as a user would run it: `GRPOTrainer(model, reward_funcs, train_dataset, tools=[calculate])`
 with its own multi-turn tool loop (`max_tool_calling_iterations=3`: 4 assistant turns), its own
@@ -121,7 +122,8 @@ def trl_child(out: Path, workdir: Path) -> None:
         temperature=config.generation.temperature,
         top_p=config.generation.top_p,
         top_k=config.generation.top_k,
-        max_completion_length=MAX_TURNS * config.generation.max_new_tokens,
+        max_completion_length=MAX_TURNS * config.generation.max_new_tokens,  # all turns together
+        generation_kwargs={"max_new_tokens": config.generation.max_new_tokens},  # per turn, as mtrl
         max_tool_calling_iterations=MAX_TURNS - 1,
         logging_steps=1,
         report_to="none",
@@ -175,6 +177,26 @@ def measure_trl(workdir: Path) -> dict[str, Any]:
     }
 
 
+class LoadSampler:
+    """The highest 1-minute load average seen every 5 s while a side runs."""
+
+    def __enter__(self) -> LoadSampler:
+        import threading
+
+        self.peak, self.stop = 0.0, threading.Event()
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def sample(self) -> None:
+        while not self.stop.wait(5.0):
+            self.peak = max(self.peak, round(os.getloadavg()[0], 2))
+
+    def __exit__(self, *_: Any) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
 def first_and_last_two(curve: list[float]) -> dict[str, float]:
     return {"first": round(curve[0], 3), "last_two_mean": round(sum(curve[-2:]) / 2, 3)}
 
@@ -188,15 +210,24 @@ def main() -> None:
     parser.add_argument("--order", default="trl,mtrl", help="which runs first")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="mtrl-peer-"))
-    results: dict[str, Any] = {}
+    from pipeline.prefect_env import database_template_dir
+
+    template = database_template_dir()  # a new runs dir copies it instead of migrating (pipeline/prefect_env.py)
+    results: dict[str, Any] = {"prefect_database_template_existed": bool(template and template.is_dir())}
     for side in args.order.split(","):
         load_before = os.getloadavg()
-        result = measure_trl(workdir) if side == "trl" else measure_mtrl([], workdir / "runs")
+        with LoadSampler() as load:
+            result = measure_trl(workdir) if side == "trl" else measure_mtrl([], workdir / "runs")
         result.pop("stdout_tail", None)
-        results[side] = {"load_average_before": load_before, "load_average_after": os.getloadavg(), **result}
+        results[side] = {
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "load_1min_max_during": load.peak,  # ~2 is the run itself on 2 cores; more is someone else
+            **result,
+        }
         print(side, json.dumps({k: results[side][k] for k in ("wall_s", "generated_tokens", "success_curve")}))
-    for side in results.values():
-        side["success"] = first_and_last_two(side["success_curve"])
+    for side in ("trl", "mtrl"):
+        results[side]["success"] = first_and_last_two(results[side]["success_curve"])
     report = {
         "machine": machine(),
         "order": args.order,
@@ -207,7 +238,7 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     summary = {
         "ratio_mtrl_over_trl": report["ratio_mtrl_over_trl"],
-        **{name: {k: results[name][k] for k in ("wall_s", "generated_tokens", "success")} for name in results},
+        **{name: {k: results[name][k] for k in ("wall_s", "generated_tokens", "success")} for name in ("trl", "mtrl")},
         "mtrl_orchestration_pct": results["mtrl"]["orchestration_pct"],
     }
     print(json.dumps(summary, indent=2))
