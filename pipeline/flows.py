@@ -32,6 +32,7 @@ from pipeline.distributed import train_with_torchrun
 from pipeline.evaluate import execute_turn, generate_turn
 from pipeline.memory import peak_memory
 from pipeline.models import resolve_model_dir
+from pipeline.prefect_env import flow_heartbeats
 from pipeline.runners import map_row_shards, stage_runner
 from pipeline.stage_table import POLICY, STAGES
 from pipeline.store import TMP_PREFIX, Store, copy_files, file_digests, version_key
@@ -280,16 +281,27 @@ def compute_advantages_task(
     store: Store, config: RunConfig, parents: dict[str, str]
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
     turns = store.load("assign-rewards", parents["assign-rewards"])
+    reference = parents.get(f"{POLICY}#reference")
+    # the first iteration's rollouts come from the reference policy itself
+    reference_generated = (
+        reference == store.generating_policy("assign-rewards", parents["assign-rewards"])
+        and config.exact_generation_logprobs()
+    )
     scored = compute_advantages.score_with_policies(
         turns,
         critic_dir=store.policy_dir(parents[POLICY]) if POLICY in parents else None,
-        reference_dir=store.policy_dir(parents[f"{POLICY}#reference"]) if f"{POLICY}#reference" in parents else None,
+        reference_dir=store.policy_dir(reference) if reference else None,
         ppo=config.ppo,
         temperature=config.generation.temperature,
         device=config.model.device,
+        reference_generated=reference_generated,
     )
     dataset = compute_advantages.compute_advantages(turns, config.advantage, **scored)
-    return dataset, {"metrics": compute_advantages.advantage_metrics(dataset)}
+    reference_logprobs = None if reference is None else "generation" if reference_generated else "scored"
+    return dataset, {
+        "metrics": compute_advantages.advantage_metrics(dataset),
+        "reference_logprobs": reference_logprobs,
+    }
 
 
 @stage_task("ppo-update")
@@ -300,6 +312,8 @@ def ppo_update_task(
     processes under torchrun); write the next policy, then the metrics."""
     turns = store.load("compute-advantages", parents["compute-advantages"])
     report = audit_before_training(store, parents["compute-advantages"], turns, config, seed=config.seed + iteration)
+    recompute = config.recomputes_old_logprobs()  # exact generation logprobs are the old ones (the audit re-scored)
+    ppo = config.ppo.model_copy(update={"recompute_old_logprobs": recompute})
     version = stage_version(config, "ppo-update", parents, {"iteration": iteration})
     training = {
         "train_critic": config.advantage.estimator in compute_advantages.NEEDS_VALUES,
@@ -313,14 +327,14 @@ def ppo_update_task(
                 trained = ppo_update.train_policy(
                     turns,
                     store.policy_dir(parents[POLICY]),
-                    config=config.ppo,
+                    config=ppo,
                     temperature=config.generation.temperature,
                     device=config.model.device,
                     **training,
                 )
             else:
                 trained = train_with_torchrun(
-                    config,
+                    config.model_copy(update={"ppo": ppo}),
                     turns_dir=store.path("compute-advantages", parents["compute-advantages"]),
                     policy_dir=store.policy_dir(parents[POLICY]),
                     work=work,
@@ -349,6 +363,7 @@ def ppo_update_task(
         "audit": report.as_dict(),
         "memory": memory,
         "optimizer_state_restored": trained.optimizer_state_restored,
+        "old_logprobs": "recomputed" if recompute else "generation",
         "policy": next_policy,
         "policy_files": written.files,
     }
@@ -418,7 +433,9 @@ def rl_training(config: RunConfig) -> list[dict[str, Any]]:
     with store.lock():
         policy_version = import_base_policy(store, config)
     results = []
-    with stage_runner(config.runner):  # one Ray for all iterations (each iteration reuses it)
+    # one Ray for all iterations (each iteration reuses it); the iterations run in this
+    # process, so this run's heartbeat covers them (prefect_env.flow_heartbeats)
+    with stage_runner(config.runner), flow_heartbeats(enabled=False):
         try:
             for iteration in range(config.iterations):
                 results.append(rl_iteration(config, iteration=iteration, policy_version=policy_version))

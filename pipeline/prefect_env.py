@@ -11,13 +11,17 @@ import atexit
 import contextlib
 import fcntl
 import os
+import shutil
 import socket
+import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 
 def prefect_home(runs_dir: str | Path) -> Path:
@@ -25,6 +29,11 @@ def prefect_home(runs_dir: str | Path) -> Path:
 
 
 def configure(runs_dir: str | Path) -> None:
+    configure_environment(runs_dir)
+    quiet_libraries()
+
+
+def configure_environment(runs_dir: str | Path) -> None:
     home = prefect_home(runs_dir)
     defaults = {
         "DO_NOT_TRACK": "1",
@@ -42,7 +51,11 @@ def configure(runs_dir: str | Path) -> None:
     for name, value in defaults.items():
         os.environ.setdefault(name, value)
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
-    # the libraries read their variables at import, which may have happened already
+
+
+def quiet_libraries() -> None:
+    """The progress bars off in datasets and transformers: they read their variables at import,
+    which may have happened before configure()."""
     import datasets
     import transformers
 
@@ -68,39 +81,52 @@ def starting_alone(home: str | Path) -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def local_server(home: str | Path, timeout_s: float = 180) -> Iterator[str]:
-    """A real `prefect server start` on 127.0.0.1 (a free port) with its own PREFECT_HOME, for
-    processes that cannot share an ephemeral server (Ray workers, deployments). Yields the API
-    URL and stops the server on exit."""
-    environment = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    environment.pop("PREFECT_API_URL", None)
+def _start_server(
+    home: Path, command: list[str], port: int, timeout_s: float, environment: dict[str, str]
+) -> subprocess.Popen:
+    """Start a Prefect API server process on 127.0.0.1:`port` (its output in home/server.log),
+    one start at a time per home, and wait until it answers."""
+    environment = {**environment, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    url = f"http://127.0.0.1:{port}/api"
     with starting_alone(home):
-        port = free_port()  # after the wait, so that the port is still free
-        server_args = ["server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"]
-        url = f"http://127.0.0.1:{port}/api"
-        with open(Path(home) / "server.log", "ab") as log:
+        with open(home / "server.log", "ab") as log:
             server = subprocess.Popen(
-                [sys.executable, "-m", "prefect", *server_args],
+                [sys.executable, *command],
                 env=environment,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
+                start_new_session=True,  # a Ctrl-C reaches mtrl, which stops the server after its last logs
             )
         deadline = time.monotonic() + timeout_s
         while not _healthy(url):
             if server.poll() is not None or time.monotonic() > deadline:
                 server.kill()
-                raise RuntimeError(f"the Prefect server did not start; see {Path(home) / 'server.log'}")
-            time.sleep(0.5)
+                raise RuntimeError(f"the Prefect server did not start; see {home / 'server.log'}")
+            time.sleep(0.1)
+    return server
+
+
+def _stop_server(server: subprocess.Popen) -> None:
+    server.terminate()
     try:
-        yield url
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
+@contextlib.contextmanager
+def local_server(home: str | Path, timeout_s: float = 180) -> Iterator[str]:
+    """A real `prefect server start` on 127.0.0.1 (a free port) with its own PREFECT_HOME, for
+    processes that cannot share an ephemeral server (Ray workers, deployments). Yields the API
+    URL and stops the server on exit."""
+    home, port = Path(home), free_port()
+    command = ["-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"]
+    environment = {name: value for name, value in os.environ.items() if name != "PREFECT_API_URL"}
+    server = _start_server(home, command, port, timeout_s, environment)
+    try:
+        yield f"http://127.0.0.1:{port}/api"
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        _stop_server(server)
 
 
 def _healthy(url: str) -> bool:
@@ -110,19 +136,152 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def configure_api(runs_dir: str | Path, runner_kind: str) -> None:
-    """configure(), then the API this process reports to: PREFECT_API_URL when it is set, else a
-    local server for the Ray runner (Ray workers are other processes and must all report to one
-    API), else Prefect's temporary server, started now and alone (see starting_alone)."""
-    configure(runs_dir)
-    if os.environ.get("PREFECT_API_URL"):
-        return
-    if runner_kind != "ray":
-        from prefect import get_client  # (importing prefect also sets up its logging)
+# A new runs directory gets a new Prefect database, and its first server spends ~3 s (2 cores)
+# running every migration and registering the block types. The result is the same for every
+# new database of one Prefect version: it is kept once per machine (a cache: safe to delete)
+# and copied into the next new PREFECT_HOME. A database that exists is never replaced.
+DATABASE_FILES = ("prefect.db", "memo_store.toml")  # the database; the memo of registered block types
 
-        with starting_alone(os.environ["PREFECT_HOME"]), get_client(sync_client=True):
-            pass  # get_client started the temporary server, which the flows then use
+
+def database_template_dir() -> Path | None:
+    """Where the migrated empty database of this Prefect version is kept; None when the user
+    set their own database."""
+    if os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL") or os.environ.get(
+        "PREFECT_SERVER_DATABASE_CONNECTION_URL"
+    ):
+        return None
+    from importlib import metadata
+
+    cache = Path(
+        os.environ.get("MTRL_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mtrl"
+    )
+    return cache / f"prefect-{metadata.version('prefect')}-database"
+
+
+def use_database_template(home: Path) -> bool:
+    """Copy the kept migrated database into `home` when it has none. Returns whether `home` had
+    no database and there was no template (its first server migrates it: save it after)."""
+    template = database_template_dir()
+    if template is None or (home / "prefect.db").exists():
+        return False
+    if not (template / "prefect.db").is_file():
+        return True
+    with starting_alone(home):  # two runs on one new runs directory: one copies, the other finds it
+        if not (home / "prefect.db").exists():
+            for name in DATABASE_FILES:
+                if (template / name).is_file():
+                    partial = home / f".{name}.{os.getpid()}.tmp"
+                    shutil.copyfile(template / name, partial)
+                    os.replace(partial, home / name)  # whole or absent; the memo never without its database
+    return False
+
+
+def save_database_template(home: Path) -> None:
+    """Keep `home`'s database, just migrated by its first server and with no run in it yet, as
+    the template (SQLite's online backup: a consistent copy while the server runs)."""
+    template = database_template_dir()
+    if template is None or (template / "prefect.db").is_file():
         return
+    partial = template.parent / f".{template.name}.{os.getpid()}.tmp"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    with contextlib.closing(sqlite3.connect(home / "prefect.db")) as source:
+        with contextlib.closing(sqlite3.connect(partial / "prefect.db")) as copy:
+            source.backup(copy)
+    if (home / "memo_store.toml").is_file():
+        shutil.copyfile(home / "memo_store.toml", partial / "memo_store.toml")
+    try:
+        os.rename(partial, template)  # atomic; another process may have kept its copy first
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def temporary_server_command(port: int) -> list[str]:
+    """What Prefect runs as its temporary server (prefect.server.api.server.SubprocessASGIServer):
+    the API app under uvicorn, marked ephemeral (no UI, only the services a temporary server
+    runs)."""
+    import importlib.util
+
+    prefect_parent = Path(importlib.util.find_spec("prefect").origin).parent.parent  # no `import prefect` here
+    return [
+        "-m",
+        "uvicorn",
+        "--app-dir",
+        str(prefect_parent),
+        "--factory",
+        "prefect.server.api.server:create_app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "error",
+        "--lifespan",
+        "on",
+    ]
+
+
+def start_api(runs_dir: str | Path, runner_kind: str) -> Callable[[], bool]:
+    """configure(), then start the Prefect API this process reports to, and return `wait()`,
+    which blocks until the API answers and says whether it is this process's own (stopped at
+    exit). The API is PREFECT_API_URL when it is set; else a local `prefect server start` for
+    the Ray runner (Ray workers are other processes and must all report to one API); else a
+    temporary server like Prefect's own, on RUNS_DIR/.prefect's database.
+
+    The temporary server starts at once in the background: its process (importing the server,
+    checking the database) runs on another core while this one imports torch and checks the
+    config, instead of before them. Its URL is fixed now, before anything imports Prefect (which
+    reads PREFECT_API_URL when imported), so this process never starts Prefect's own server.
+    Servers on one database start one at a time (starting_alone)."""
+    configure_environment(runs_dir)
+    try:
+        return _start_api(runs_dir, runner_kind)
+    finally:
+        quiet_libraries()  # heavy imports: after the server's start
+
+
+def _start_api(runs_dir: str | Path, runner_kind: str) -> Callable[[], bool]:
+    if os.environ.get("PREFECT_API_URL"):
+        return lambda: False
+    if runner_kind == "ray":
+        return lambda: _start_ray_server(runs_dir)
+    home = Path(os.environ["PREFECT_HOME"])
+    port = free_port()
+    timeout_s = float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"])
+    started: dict[str, Any] = {}
+
+    def start() -> None:
+        try:
+            fresh = use_database_template(home)
+            started["server"] = _start_server(home, temporary_server_command(port), port, timeout_s, environment)
+            if fresh:
+                save_database_template(home)
+        except BaseException as exc:  # raised by wait(), in the caller's thread
+            started["error"] = exc
+
+    starting = threading.Thread(target=start, name="prefect-api-start", daemon=True)
+
+    def stop() -> None:  # at exit: after Prefect's own exit hooks have sent the last logs (registered later)
+        starting.join(timeout=timeout_s)
+        if "server" in started:
+            _stop_server(started["server"])
+
+    atexit.register(stop)
+    os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
+    # what Prefect sets for its temporary server: the app without UI, with a temporary server's services
+    environment = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1"}
+    starting.start()
+
+    def wait() -> bool:
+        starting.join()
+        if "error" in started:
+            raise started["error"]
+        return True
+
+    return wait
+
+
+def _start_ray_server(runs_dir: str | Path) -> bool:
     # Stopped at exit, after Prefect's own exit hooks have sent the last logs (hooks run in
     # reverse order of registration, and this one is registered before Prefect starts).
     server = contextlib.ExitStack()
@@ -130,3 +289,30 @@ def configure_api(runs_dir: str | Path, runner_kind: str) -> None:
     atexit.register(server.close)
     print(f"started a Prefect server for the Ray workers at {url} (PREFECT_API_URL)", file=sys.stderr)
     os.environ["PREFECT_API_URL"] = url
+    return True
+
+
+def configure_api(runs_dir: str | Path, runner_kind: str) -> bool:
+    """start_api(...) and wait for it: whether the API is this process's own."""
+    return start_api(runs_dir, runner_kind)()
+
+
+@contextlib.contextmanager
+def flow_heartbeats(enabled: bool) -> Iterator[None]:
+    """Flow-run heartbeats on or off for the flow runs started inside.
+
+    A heartbeat lets a Prefect server that outlives the process (zombie detection, an
+    automation on its server) mark a run Crashed when its process dies without a word. It costs
+    every flow run up to 1 s at its end: Prefect joins the heartbeat thread, which sleeps in 1 s
+    steps. So mtrl turns it off where nothing can read it: on an API this process started and
+    stops at exit (Prefect's temporary server, the Ray runner's local server), and for the
+    iterations inside an rl-training run, whose own heartbeat covers the process they run in.
+    A crash still shows: the iterations' stage tasks stay un-Completed, the store keeps no half
+    version (atomic writes) and the next run redoes only what is missing."""
+    if enabled:
+        yield
+        return
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):  # the env var cannot say None
+        yield

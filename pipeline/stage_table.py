@@ -104,6 +104,7 @@ def module_closure(entries: list[Path]) -> list[Path]:
     return sorted(seen)
 
 
+@functools.cache  # a process runs with one set of libraries; each lookup scans the installed packages
 def shaping_library_versions() -> dict[str, str]:
     versions = {"python": platform.python_version()}
     for name in SHAPING_LIBRARIES:

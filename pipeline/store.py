@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -38,7 +39,7 @@ import xxhash
 
 from pipeline.stage_table import POLICY, STAGES
 from schemas.config import RunConfig, deep_merge
-from schemas.manifest import Manifest
+from schemas.manifest import Manifest, StoreError
 
 # datasets writes cache files (map, cast, flatten_indices, ...) next to the data a dataset was
 # loaded from, i.e. *into a finished version folder*. Our stages never need that cache.
@@ -52,10 +53,6 @@ TMP_PREFIX = ".tmp-"
 # that went away).
 TMP_MAX_AGE_S = 24 * 3600
 VERSION_CHARS = 16
-
-
-class StoreError(RuntimeError):
-    """A missing, corrupted or ambiguous version."""
 
 
 def canonical_json(value: Any) -> str:
@@ -101,6 +98,7 @@ def copy_files(source: Path, target: Path, files: dict[str, Any]) -> None:
 _VERIFIED: set[tuple] = set()  # policy folders whose digests matched, by their files' (path, size, mtime)
 
 
+@functools.cache  # a process runs with one set of libraries; each lookup scans the installed packages
 def library_versions() -> dict[str, str]:
     versions = {"python": platform.python_version()}
     for name in ("torch", "transformers", "datasets", "pyarrow", "numpy", "prefect", "mtrl"):

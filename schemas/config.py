@@ -269,7 +269,12 @@ class PPOConfig(Section):
     kl_in: Literal["loss", "reward"] = Field("loss", description="Put the KL penalty in the loss or the reward.")
     value_coef: float = Field(0.5, ge=0.0, description="Value-loss coefficient (critic estimators such as gae).")
     value_clip: float | None = Field(0.2, gt=0.0, description="Clip range of the value loss (null = off).")
-    recompute_old_logprobs: bool = Field(True, description="Old logprobs from a training forward pass (enables TIS).")
+    recompute_old_logprobs: bool | None = Field(
+        None,
+        description="Old logprobs from a training forward pass (enables TIS); null = only when the stored generation "
+        "logprobs are not already the policy's: they are with the hf engine in float32 (equal within 1e-5, tested; "
+        "the audit re-scores a share of rollouts every iteration), so that pass is skipped.",
+    )
     tis_cap: float = Field(2.0, ge=1.0, description="Truncated importance sampling cap on pi_old / pi_generation.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradients are clipped to this global L2 norm.")
     logprob_chunk_tokens: int = Field(
@@ -371,6 +376,21 @@ class RunConfig(Section):
                 raise ValueError(f"unknown config field '{dotted}'")
             node[leaf] = value
         return RunConfig.model_validate(data)
+
+    def recomputes_old_logprobs(self) -> bool:
+        """ppo.recompute_old_logprobs with null resolved. ppo-update trains the policy that
+        generated its rollouts, so its old logprobs are the generation logprobs whenever the
+        generation forward is the training forward: the exact hf engine in float32. Another
+        engine or a low precision samples from a slightly different distribution: recompute
+        them, and truncated importance sampling corrects for the difference."""
+        if self.ppo.recompute_old_logprobs is not None:
+            return self.ppo.recompute_old_logprobs
+        return not self.exact_generation_logprobs()
+
+    def exact_generation_logprobs(self) -> bool:
+        """Are the stored generation logprobs the generating policy's own, as a training forward
+        pass computes them? Yes for the hf engine in float32 (within 1e-5: tests/test_ppo.py)."""
+        return self.generation.engine == "hf" and self.model.dtype == "float32"
 
     def pick(self, *paths: str) -> dict[str, Any]:
         """These fields as a JSON-normalised partial config (what a stage hashes into its

@@ -12,6 +12,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 
+class StoreError(RuntimeError):
+    """A missing, corrupted or ambiguous version (defined here, with nothing heavy imported, so
+    that the CLI can catch it before it imports the store)."""
+
+
 class Manifest(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
 

@@ -275,10 +275,14 @@ def score_with_policies(
     ppo: PPOConfig,
     temperature: float,
     device: str,
+    reference_generated: bool = False,
 ) -> dict[str, Any]:
     """The keyword inputs of compute_advantages: the critic's values (from the value head saved
     beside the generating policy, `critic_dir`) and the reference policy's logprobs, with the KL
-    penalty when it goes into the reward. None where the config does not use them."""
+    penalty when it goes into the reward. None where the config does not use them.
+    `reference_generated`: the reference policy generated these rollouts and their stored
+    logprobs are exact (the first iteration, RunConfig.exact_generation_logprobs): they are its
+    logprobs, and its forward pass is skipped."""
 
     def score(policy_dir: str | Path, with_value_head: bool) -> tuple[list[list[float]], list[list[float]]]:
         model = load_model(policy_dir, "float32", device)
@@ -293,7 +297,11 @@ def score_with_policies(
         )
 
     values = score(critic_dir, with_value_head=True)[1] if critic_dir is not None else None
-    ref_logprobs = score(reference_dir, with_value_head=False)[0] if reference_dir is not None else None
+    ref_logprobs = None
+    if reference_generated:  # plain lists: a datasets Column would give the new column a random fingerprint
+        ref_logprobs = [list(logprobs) for logprobs in turns["completion_logprobs"]]
+    elif reference_dir is not None:
+        ref_logprobs = score(reference_dir, with_value_head=False)[0]
     penalty = None
     if ref_logprobs is not None and ppo.kl_in == "reward":
         penalty = kl_penalty(turns["completion_logprobs"], ref_logprobs, ppo.kl_coef, ppo.kl_estimator)

@@ -237,7 +237,7 @@ def ppo_update(
     def split(share: list[Sequence]) -> list[list[Sequence]]:
         return micro_batches(share, config.micro_batch_rollouts, config.max_tokens_per_micro_batch)
 
-    if config.recompute_old_logprobs:
+    if config.recompute_old_logprobs is not False:  # null: the caller knows no better (RunConfig resolves it)
         for chunk, weight in passes(sequences, ranks, split):
             with torch.no_grad(), _autocast(device, config.autocast):
                 logprobs, _, _ = scorer(

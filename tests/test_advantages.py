@@ -165,3 +165,32 @@ def test_registry_names_valid_choices_and_refuses_duplicates():
     with pytest.raises(ValueError, match="already registered"):
         register("grpo")(lambda batch, config: ([], []))
     assert set(ESTIMATORS) == {"grpo", "rloo", "reinforce++", "reinforce++-baseline", "gae"}
+
+
+def test_the_first_iterations_reference_logprobs_are_its_exact_generation_logprobs(tiny):
+    """Iteration 0's rollouts come from the reference policy itself: with exact generation
+    logprobs (hf engine, float32) compute-advantages takes them instead of a reference forward
+    pass; they agree within 1e-5, and so do the advantages with the KL penalty in the reward."""
+    from pipeline.evaluate import run_episodes
+    from pipeline.models import EMBEDDED_POLICY
+    from schemas.config import PPOConfig, RunConfig
+    from stages.compute_advantages import score_with_policies
+    from stages.generate_rollouts.hf import HFEngine
+    from stages.policy import eos_token_ids
+
+    model, tokenizer = tiny
+    config = RunConfig(task={"rollouts": 8, "group_size": 4, "max_turns": 2}, generation={"max_new_tokens": 48})
+    assert config.exact_generation_logprobs()
+    engine = HFEngine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode)
+    rewarded = run_episodes(engine, tokenizer, config)
+    ppo = PPOConfig(kl_in="reward", kl_coef=0.05)
+    common = {"critic_dir": None, "reference_dir": EMBEDDED_POLICY, "ppo": ppo, "temperature": 1.0, "device": "cpu"}
+    scored = score_with_policies(rewarded, **common)
+    reused = score_with_policies(rewarded, **common, reference_generated=True)
+    for fresh, stored in zip(scored["ref_logprobs"], reused["ref_logprobs"]):
+        assert len(fresh) == len(stored) and max((abs(a - b) for a, b in zip(fresh, stored)), default=0) < 1e-5
+    by_forward = compute_advantages(rewarded, AdvantageConfig(), **scored)
+    by_reuse = compute_advantages(rewarded, AdvantageConfig(), **reused)
+    for fresh, stored in zip(by_forward["advantages"], by_reuse["advantages"]):
+        assert max((abs(a - b) for a, b in zip(fresh, stored)), default=0) < 1e-5
+    assert sum(len(a) for a in by_reuse["advantages"]) > 0

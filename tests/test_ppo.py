@@ -178,6 +178,41 @@ def test_stored_generation_logprobs_equal_the_training_forward_pass(tiny, rollou
     assert (logprobs - batch["generation_logprobs"]).abs().max().item() < 1e-4
 
 
+def test_exact_generation_logprobs_stand_in_for_the_old_logprob_pass(tiny, rollouts):
+    """ppo.recompute_old_logprobs=null skips the old-logprob forward pass for the hf engine in
+    float32: ppo-update trains the policy that generated the rollouts, so the stored logprobs
+    are the old ones within 1e-5, and the update is the same (weights within 1e-5, as packing)."""
+    model, tokenizer = tiny
+    batch = collate(rollout_sequences(rollouts), tokenizer.pad_token_id, torch.device("cpu"))
+    with torch.no_grad():
+        recomputed, _, _ = forward_targets(model, batch, temperature=1.0, chunk_tokens=64)
+    assert (recomputed - batch["generation_logprobs"]).abs().max().item() < 1e-5
+    base = PPOConfig(learning_rate=1e-4, minibatch_rollouts=4, micro_batch_rollouts=2, epochs=1, kl_coef=0.0)
+    results = {}
+    for recompute in (True, False):
+        trained = copy.deepcopy(model)
+        config = base.model_copy(update={"recompute_old_logprobs": recompute})
+        metrics = ppo_update(
+            trained, rollouts, config=config, temperature=1.0, pad_token_id=tokenizer.pad_token_id, seed=0
+        )
+        results[recompute] = (metrics, torch.cat([p.detach().flatten() for p in trained.parameters()]))
+    (recomputed_metrics, recomputed_weights), (stored_metrics, stored_weights) = results[True], results[False]
+    assert len(stored_metrics) == len(recomputed_metrics) == 2
+    for stored, fresh in zip(stored_metrics, recomputed_metrics):
+        assert stored["loss"] == pytest.approx(fresh["loss"], abs=1e-5)
+        assert stored["grad_norm"] == pytest.approx(fresh["grad_norm"], rel=1e-4)
+        assert stored["is_weight_mean"] == pytest.approx(1.0, abs=1e-6)  # old = generation: nothing for TIS
+    assert (stored_weights - recomputed_weights).abs().max() < 1e-5
+
+
+def test_old_logprobs_are_recomputed_unless_generation_is_exact():
+    assert not RunConfig().recomputes_old_logprobs()  # the hf engine in float32
+    assert RunConfig(model={"dtype": "bfloat16"}).recomputes_old_logprobs()
+    assert RunConfig(generation={"engine": "another-engine"}).recomputes_old_logprobs()
+    assert RunConfig(ppo={"recompute_old_logprobs": True}).recomputes_old_logprobs()
+    assert not RunConfig(model={"dtype": "bfloat16"}, ppo={"recompute_old_logprobs": False}).recomputes_old_logprobs()
+
+
 def test_packed_rows_give_the_padded_logprobs_within_a_token_budget(tiny, rollouts):
     model, tokenizer = tiny
     sequences = rollout_sequences(rollouts)

@@ -17,9 +17,11 @@ import pytest
 from pipeline.store import Store
 
 pytestmark = pytest.mark.slow
+# Three iterations: each restart adds a few versions before its kill (the later turns of a
+# guess-number iteration take tens of milliseconds), and ten kills must land before the end.
 ARGS = [
     "--iterations",
-    "2",
+    "3",
     "--task",
     "calculator,guess-number",
     "--rollouts",

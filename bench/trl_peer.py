@@ -1,0 +1,248 @@
+"""mtrl against TRL's GRPOTrainer on the same work, one after the other, in one invocation.
+
+    pip install 'mtrl[bench]'       # trl==1.16.0 (it changes no installed version of torch & co.)
+    python bench/trl_peer.py [--out bench/results/trl_peer.json] [--order trl,mtrl]
+
+The work is mtrl's default run: the embedded policy (fp32, CPU), 10 iterations of 64 rollouts
+(8 calculator questions x 8 samples, the questions of mtrl's own task sampler for each
+iteration), the `calculate` tool, up to 4 assistant turns, mtrl's reward (1 for the right final
+number), group-normalised advantages, k3 KL to the starting policy at 0.05 in the loss, AdamW
+lr 1e-4 (constant), 4 optimiser steps of 16 rollouts, one pass, clip 0.2 / 0.28, token-mean loss,
+at most 96 new tokens per assistant turn (384 for the whole completion).
+
+TRL runs as a user would run it: `GRPOTrainer(model, reward_funcs, train_dataset, tools=[calculate])`
+with its own multi-turn tool loop (`max_tool_calling_iterations=3`: 4 assistant turns), its own
+generation (transformers `generate`) and its Qwen3 chat template (the embedded model speaks
+Qwen3's format; TRL recognises that template, parses tool calls with it and swaps in its
+prefix-preserving training version). mtrl runs as `mtrl run` with no flags, measured by
+bench/run_split.py (its wall time split into phases).
+
+Each side is its own process, timed from launch to exit (imports included). Reported: wall
+times, generated tokens (model tokens only, not tool outputs), success per iteration (first ->
+mean of the last two), mtrl's split, and ratio = mtrl wall / TRL wall. The machine is shared:
+the JSON records the load average around each run.
+"""
+
+from __future__ import annotations
+
+import time
+
+CHILD_STARTED = time.time()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run_split import REPO, machine, measure_mtrl  # noqa: E402
+
+MAX_TURNS = 4
+
+
+def trl_child(out: Path, workdir: Path) -> None:
+    """Train with TRL's GRPOTrainer on mtrl's default work; write what it measured to `out`."""
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.chat_template_utils import qwen3_chat_template
+
+    from pipeline.models import resolve_model_dir
+    from pipeline.task_mix import rollout_starts
+    from schemas.config import RunConfig
+    from stages.environments import ENVIRONMENTS
+    from stages.execute_tools.tools import calculate
+
+    imported = time.time()
+    config = RunConfig()  # mtrl's defaults: the work to match
+    torch.manual_seed(config.seed)
+    groups = config.task.rollouts // config.task.group_size
+    # one prompt per group, in mtrl's order; TRL samples each num_generations times
+    rows = []
+    for iteration in range(config.iterations):
+        for start in rollout_starts(config, iteration)[:: config.task.group_size]:
+            task = json.loads(start["task_payload"])
+            rows.append({"prompt": start["messages"], "task": json.dumps(task)})
+    train = datasets.Dataset.from_list(rows)
+
+    model_dir = resolve_model_dir(config.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = qwen3_chat_template  # the format the embedded model was trained on, as TRL knows it
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+    successes: list[float] = []
+    generated_tokens: list[float] = []
+
+    def calculator_reward(completions: list[list[dict[str, Any]]], task: list[str], **_: Any) -> list[float]:
+        """mtrl's calculator reward on the last assistant message (0 when it still calls a tool)."""
+        rewards = []
+        for messages, payload in zip(completions, task):
+            final = messages[-1]
+            answered = final.get("role") == "assistant" and not final.get("tool_calls")
+            reward = ENVIRONMENTS["calculator"].reward(json.loads(payload), final) if answered else 0.0
+            rewards.append(reward)
+        successes.append(sum(r == 1.0 for r in rewards) / len(rewards))
+        return rewards
+
+    class GeneratedTokens(TrainerCallback):
+        """TRL logs the mean model-generated length (tool outputs excluded) of each generation batch."""
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **_: Any) -> None:
+            if logs and "completions/mean_length" in logs:
+                generated_tokens.append(logs["completions/mean_length"] * config.task.rollouts)
+
+    steps_per_iteration = config.task.rollouts // config.ppo.minibatch_rollouts
+    arguments = GRPOConfig(
+        output_dir=str(workdir / "trl"),
+        use_cpu=True,
+        bf16=False,
+        seed=config.seed,
+        per_device_train_batch_size=config.ppo.minibatch_rollouts,  # 16 rollouts per optimiser step
+        gradient_accumulation_steps=1,
+        steps_per_generation=steps_per_iteration,  # 64 rollouts generated, then 4 steps on them
+        num_generations=config.task.group_size,
+        num_iterations=config.ppo.epochs,
+        max_steps=config.iterations * steps_per_iteration,
+        shuffle_dataset=False,  # mtrl's question order
+        learning_rate=config.ppo.learning_rate,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=config.ppo.weight_decay,
+        max_grad_norm=config.ppo.max_grad_norm,
+        beta=config.ppo.kl_coef,  # k3 KL to the reference model, in the loss
+        epsilon=config.ppo.clip_low,
+        epsilon_high=config.ppo.clip_high,
+        loss_type="dapo",  # token-mean over the mini-batch, as mtrl's token-mean
+        scale_rewards="group",
+        temperature=config.generation.temperature,
+        top_p=config.generation.top_p,
+        top_k=config.generation.top_k,
+        max_completion_length=MAX_TURNS * config.generation.max_new_tokens,  # all turns together
+        generation_kwargs={"max_new_tokens": config.generation.max_new_tokens},  # per turn, as mtrl
+        max_tool_calling_iterations=MAX_TURNS - 1,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=calculator_reward,
+        args=arguments,
+        train_dataset=train,
+        processing_class=tokenizer,
+        tools=[calculate],
+        callbacks=[GeneratedTokens()],
+    )
+    ready = time.time()
+    trainer.train()
+    trained = time.time()
+    out.write_text(
+        json.dumps(
+            {
+                "marks": {"child_started": CHILD_STARTED, "imported": imported, "ready": ready, "trained": trained},
+                "success_curve": successes,
+                "generated_tokens": round(sum(generated_tokens)),
+                "groups_per_iteration": groups,
+            }
+        )
+    )
+
+
+def measure_trl(workdir: Path) -> dict[str, Any]:
+    out = workdir / "trl.json"
+    command = [sys.executable, str(Path(__file__).resolve()), "--trl-child", str(out), str(workdir)]
+    environment = {**os.environ, "PYTHONPATH": str(REPO), "TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}
+    started = time.time()
+    done = subprocess.run(command, env=environment, capture_output=True, text=True, cwd=REPO)
+    ended = time.time()
+    if done.returncode != 0:
+        raise RuntimeError(f"TRL failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    report = json.loads(out.read_text())
+    marks = report.pop("marks")
+    return {
+        "wall_s": round(ended - started, 2),
+        "split_s": {
+            "process_start_s": round(marks["imported"] - started, 3),
+            "setup_s": round(marks["ready"] - marks["imported"], 3),
+            "train_s": round(marks["trained"] - marks["ready"], 3),
+            "shutdown_s": round(ended - marks["trained"], 3),
+        },
+        **report,
+    }
+
+
+class LoadSampler:
+    """The highest 1-minute load average seen every 5 s while a side runs."""
+
+    def __enter__(self) -> LoadSampler:
+        import threading
+
+        self.peak, self.stop = 0.0, threading.Event()
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def sample(self) -> None:
+        while not self.stop.wait(5.0):
+            self.peak = max(self.peak, round(os.getloadavg()[0], 2))
+
+    def __exit__(self, *_: Any) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def first_and_last_two(curve: list[float]) -> dict[str, float]:
+    return {"first": round(curve[0], 3), "last_two_mean": round(sum(curve[-2:]) / 2, 3)}
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--trl-child":
+        trl_child(Path(sys.argv[2]), Path(sys.argv[3]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=REPO / "bench/results/trl_peer.json")
+    parser.add_argument("--order", default="trl,mtrl", help="which runs first")
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="mtrl-peer-"))
+    from pipeline.prefect_env import database_template_dir
+
+    template = database_template_dir()  # a new runs dir copies it instead of migrating (pipeline/prefect_env.py)
+    results: dict[str, Any] = {"prefect_database_template_existed": bool(template and template.is_dir())}
+    for side in args.order.split(","):
+        load_before = os.getloadavg()
+        with LoadSampler() as load:
+            result = measure_trl(workdir) if side == "trl" else measure_mtrl([], workdir / "runs")
+        result.pop("stdout_tail", None)
+        results[side] = {
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "load_1min_max_during": load.peak,  # ~2 is the run itself on 2 cores; more is someone else
+            **result,
+        }
+        print(side, json.dumps({k: results[side][k] for k in ("wall_s", "generated_tokens", "success_curve")}))
+    for side in ("trl", "mtrl"):
+        results[side]["success"] = first_and_last_two(results[side]["success_curve"])
+    report = {
+        "machine": machine(),
+        "order": args.order,
+        "ratio_mtrl_over_trl": round(results["mtrl"]["wall_s"] / results["trl"]["wall_s"], 3),
+        **results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    summary = {
+        "ratio_mtrl_over_trl": report["ratio_mtrl_over_trl"],
+        **{name: {k: results[name][k] for k in ("wall_s", "generated_tokens", "success")} for name in ("trl", "mtrl")},
+        "mtrl_orchestration_pct": results["mtrl"]["orchestration_pct"],
+    }
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
