@@ -181,17 +181,23 @@ def success_curve(runs_dir: Path) -> list[float]:
     return [m["metrics"]["success_rate"] for m in sorted(rewarded, key=lambda m: m["iteration"])]
 
 
+def timed_child(name: str, command: list[str], env: dict[str, str]) -> tuple[float, float, str]:
+    """Run a child process in the repository; its start and end (wall clock) and its stdout. A
+    failure raises with the end of its output."""
+    started = time.time()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO)
+    ended = time.time()
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return started, ended, done.stdout
+
+
 def measure_mtrl(mtrl_args: list[str], runs_dir: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
     """One `mtrl run` in a child process; its wall time split into phases (module docstring)."""
     timings = runs_dir.parent / f"{runs_dir.name}-timings.json"
     command = [sys.executable, str(Path(__file__).resolve()), "--child", str(timings), "--"]
     command += ["--runs-dir", str(runs_dir), *mtrl_args]
-    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    started = time.time()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO)
-    ended = time.time()
-    if done.returncode != 0:
-        raise RuntimeError(f"mtrl run failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    started, ended, stdout = timed_child("mtrl run", command, {**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
     child_report = json.loads(timings.read_text())
     marks, seconds = child_report["marks"], child_report["seconds"]
     per_stage, per_iteration, generated = stage_compute(runs_dir)
@@ -231,7 +237,7 @@ def measure_mtrl(mtrl_args: list[str], runs_dir: Path, env: dict[str, str] | Non
         "per_iteration": iterations,
         "generated_tokens": generated,
         "success_curve": success_curve(runs_dir),
-        "stdout_tail": done.stdout[-1500:],
+        "stdout_tail": stdout[-1500:],
     }
 
 

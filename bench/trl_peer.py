@@ -32,14 +32,13 @@ CHILD_STARTED = time.time()
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_split import REPO, machine, measure_mtrl  # noqa: E402
+from run_split import REPO, machine, measure_mtrl, timed_child  # noqa: E402
 
 MAX_TURNS = 4
 
@@ -158,11 +157,7 @@ def measure_trl(workdir: Path) -> dict[str, Any]:
     out = workdir / "trl.json"
     command = [sys.executable, str(Path(__file__).resolve()), "--trl-child", str(out), str(workdir)]
     environment = {**os.environ, "PYTHONPATH": str(REPO), "TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}
-    started = time.time()
-    done = subprocess.run(command, env=environment, capture_output=True, text=True, cwd=REPO)
-    ended = time.time()
-    if done.returncode != 0:
-        raise RuntimeError(f"TRL failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    started, ended, _ = timed_child("TRL", command, environment)
     report = json.loads(out.read_text())
     marks = report.pop("marks")
     return {

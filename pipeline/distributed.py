@@ -24,7 +24,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from collections import defaultdict, deque
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import ppo_worker
+from pipeline.prefect_env import free_port
 from schemas.config import RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository the workers must import, as this process does
@@ -61,13 +61,6 @@ class TrainedOnRanks:
         for path in sorted(self.files.iterdir()):
             shutil.move(path, directory / path.name)
         return {}
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, for torchrun's rendezvous."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def torchrun_command(world_size: int, request: Path) -> list[str]:

@@ -40,7 +40,7 @@ from typing import Any
 
 import datasets
 
-from schemas.config import RunConfig
+from schemas.config import GenerationConfig, RunConfig
 from schemas.features import FinishReason
 from stages.generate_rollouts.engine import ENGINES, Completion, Generation, Request, Sampling
 from stages.policy import eos_token_ids, pick_device
@@ -82,9 +82,9 @@ def vllm_version(python: str | None, url: str | None) -> str:
     return found.stdout.strip()
 
 
-def logprobs_mode(sampling: Sampling) -> str:
+def logprobs_mode(generation: GenerationConfig) -> str:
     """The vLLM --logprobs-mode whose numbers are the stored convention (see the module docstring)."""
-    return "processed_logprobs" if sampling.top_k == 0 and sampling.top_p == 1.0 else "raw_logprobs"
+    return "processed_logprobs" if generation.top_k == 0 and generation.top_p == 1.0 else "raw_logprobs"
 
 
 def free_port() -> int:
@@ -121,7 +121,7 @@ class VLLMServer:
         self.log_path = log_path
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        sampling = Sampling(config.generation.temperature, config.generation.top_k, config.generation.top_p)
+        self.logprobs_mode = logprobs_mode(config.generation)
         settings = config.vllm
         command = [
             vllm_python(settings.python), "-m", "vllm.entrypoints.openai.api_server",
@@ -130,7 +130,7 @@ class VLLMServer:
             "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", config.model.dtype,
             "--max-model-len", str(config.generation.max_context_tokens),
-            "--logprobs-mode", logprobs_mode(sampling),
+            "--logprobs-mode", self.logprobs_mode,
             "--enable-prefix-caching",
             "--generation-config", "vllm",  # vLLM's neutral defaults, not the checkpoint's sampling settings
             "--seed", str(config.seed),
@@ -237,8 +237,6 @@ class VLLMEngine:
         self.server = server
         self.log = str(server.log_path) if server else f"the log of the server at {self.url}"
         self.runs_dir = config.store.runs_dir
-        sampling = Sampling(config.generation.temperature, config.generation.top_k, config.generation.top_p)
-        self.logprobs_mode = logprobs_mode(sampling) if server else None
         self.reloads_in_place = (
             self.settings.weight_update or ("reload" if self.settings.url else "restart")
         ) == "reload"
@@ -268,8 +266,10 @@ class VLLMEngine:
             "version": vllm_version(self.settings.python, self.settings.url),
             "server": "started by mtrl" if self.server else self.url,
             "weight_update": "reload" if self.reloads_in_place else "restart",
-            # started here: logprobs_mode(sampling); a server at vllm.url: as its operator started it
-            "logprobs_mode": self.logprobs_mode or "as configured on the server (the audit checks it)",
+            # a server at vllm.url returns what its operator started it with
+            "logprobs_mode": self.server.logprobs_mode
+            if self.server
+            else "as configured on the server (the audit checks it)",
         }
 
     def load_policy(self, model_dir: str | Path) -> None:
@@ -282,7 +282,7 @@ class VLLMEngine:
                 self.settings.request_timeout_s,
             )
             post_json(f"{self.url}/reset_prefix_cache", {}, self.settings.request_timeout_s)  # cached old-policy KV
-        except (OSError, urllib.error.HTTPError) as exc:
+        except OSError as exc:  # HTTP errors included
             raise EngineError(
                 f"the vLLM server at {self.url} did not reload {model_dir} ({exc}); reload needs a server started "
                 f"with VLLM_SERVER_DEV_MODE=1; see {self.log}"
