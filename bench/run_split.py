@@ -115,8 +115,11 @@ def child(args: list[str], out: Path) -> None:
         from pipeline.store import Store
 
         timers.wrap(Store, "write_dataset", "store_writes")
+        import pipeline.artifacts as artifacts
+
         for name in ("publish_stage", "publish_summary", "generation_progress"):
             timers.wrap(flows, name, "artifacts")
+        timers.wrap(artifacts, "flush", "artifacts")  # the wait for artifacts sent in the background
         original_iteration = flows.rl_iteration
 
         def rl_iteration(*a: Any, **k: Any) -> Any:

@@ -1,16 +1,26 @@
 """What an mtrl run shows in the Prefect UI (docs/prefect-ui.md): a table per stage version, a
-progress bar for the long stages, and per iteration the learning curve, plot and table.
+progress bar for the long stages, and per iteration the learning curve's table (with the plot
+at the end of a run).
 
 The stage functions (stages/) know nothing of Prefect: they take a plain `report_progress`
 callback, called with the share of their work done (0 to 1), which the functions here turn
 into updates of a Prefect progress artifact.
+
+Every artifact is sent by one background thread, in the order the calls were made and in the
+caller's Prefect run context (so it lands on the same flow or task run): a stage never waits
+for the API's round trip (each one 5-30 ms, ~150 per default run). A flow waits for the
+artifacts it sent before it ends (`flush`). An artifact the API refuses is a warning in the
+run's log, never a failed stage: the store, not the UI, is the truth.
 """
 
 from __future__ import annotations
 
 import base64
+import contextvars
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 from uuid import UUID
 
 from prefect import get_run_logger
@@ -29,6 +39,27 @@ GENERATION_PROGRESS_KEY = "generate-rollouts-progress"
 PPO_PROGRESS_KEY = "ppo-update-progress"
 UPDATE_INTERVAL_S = 1.0  # a callback fires per token or step; the API hears at most once a second
 
+_sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtrl-artifacts")  # one thread: calls keep their order
+
+
+def send(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+    """Run an artifact API call on the background thread, in the caller's run context."""
+    context = contextvars.copy_context()
+
+    def run() -> Any:
+        try:
+            return context.run(call, *args, **kwargs)
+        except Exception as exc:
+            context.run(get_run_logger).warning("Prefect artifact not sent: %s: %s", type(exc).__name__, exc)
+            raise
+
+    return _sender.submit(run)
+
+
+def flush() -> None:
+    """Wait until every artifact sent so far has reached the API (or failed, with its warning)."""
+    _sender.submit(lambda: None).result()
+
 
 def publish_stage(store: Store, stage: str, version: str) -> None:
     """A Prefect table artifact per stage version: rows, tokens, wall time and its metrics."""
@@ -37,26 +68,26 @@ def publish_stage(store: Store, stage: str, version: str) -> None:
     for name, value in {**manifest.metrics, **manifest.extra("tool_failures", {})}.items():
         if isinstance(value, int | float) and not isinstance(value, bool):
             table[name] = round(value, 4) if isinstance(value, float) else value
-    create_table_artifact(key=stage, table=[table], description=f"{stage}/{version} in {store.root}")
+    send(create_table_artifact, key=stage, table=[table], description=f"{stage}/{version} in {store.root}")
 
 
-def publish_summary(store: Store, policy_version: str) -> None:
-    """The learning curve so far as one markdown artifact: the plot, embedded as a data URL
-    (both Prefect UIs render `data:image/...` sources in markdown, while an image artifact
-    needs a URL the browser can reach), above the table; also written to the runs dir."""
+def publish_summary(store: Store, policy_version: str, plot: bool) -> None:
+    """The learning curve so far as one markdown artifact: with `plot`, the plot embedded as a
+    data URL (both Prefect UIs render `data:image/...` sources in markdown, while an image
+    artifact needs a URL the browser can reach) above the table; also written to the runs dir.
+    Rendering the plot takes ~0.15 s (2 cores), so a run of several iterations plots once, at
+    its end; every iteration publishes the table."""
     rows = iterations(store, policy_version)
-    png = write_files(rows, store.root / "report")
-    encoded = base64.b64encode(png.read_bytes()).decode("ascii")
-    create_markdown_artifact(
+    png = write_files(rows, store.root / "report", plot=plot)
+    sections = [f"## mtrl learning curve, iteration {rows[-1]['iteration']}"]
+    if plot:
+        encoded = base64.b64encode(png.read_bytes()).decode("ascii")
+        sections.append(f"![learning curve](data:image/png;base64,{encoded})")
+    sections += [markdown_table(rows), f"Plot: `{png}`, store: `{store.root}`" if plot else f"Store: `{store.root}`"]
+    send(
+        create_markdown_artifact,
         key=SUMMARY_KEY,
-        markdown="\n\n".join(
-            [
-                f"## mtrl learning curve, iteration {rows[-1]['iteration']}",
-                f"![learning curve](data:image/png;base64,{encoded})",
-                markdown_table(rows),
-                f"Plot: `{png}`, store: `{store.root}`",
-            ]
-        ),
+        markdown="\n\n".join(sections),
         description="success, reward, turns and training metrics per iteration",
     )
 
@@ -66,15 +97,23 @@ class Progress:
     UPDATE_INTERVAL_S, at once if it is 100 % or comes with a new description. Each holder
     of the artifact (one per task run) keeps its own clock."""
 
-    def __init__(self, artifact_id: UUID):
-        self.artifact_id = artifact_id
+    def __init__(self, artifact: UUID | Future):
+        if isinstance(artifact, UUID):
+            artifact, artifact_id = Future(), artifact
+            artifact.set_result(artifact_id)
+        self._artifact = artifact
         self._sent_percent = 0.0
         self._sent_at = time.monotonic()
 
     @classmethod
     def create(cls, key: str, description: str) -> Progress:
         """A new bar at 0 %, attached to the current flow or task run."""
-        return cls(create_progress_artifact(0.0, key=key, description=description))
+        return cls(send(create_progress_artifact, 0.0, key=key, description=description))
+
+    @property
+    def artifact_id(self) -> UUID:
+        """The bar's id, once the API created it (task runs that update it take it as a parameter)."""
+        return self._artifact.result()
 
     def update(self, percent: float, description: str | None = None) -> None:
         percent, now = round(percent, 1), time.monotonic()  # the UI prints every digit it gets
@@ -82,10 +121,8 @@ class Progress:
             percent <= self._sent_percent or (percent < 100 and now - self._sent_at < UPDATE_INTERVAL_S)
         ):
             return
-        try:
-            update_progress_artifact(self.artifact_id, percent, description=description)
-        except Exception as exc:  # a progress bar must never fail a long stage: say so, carry on
-            get_run_logger().warning("progress artifact %s not updated: %s", self.artifact_id, exc)
+        # queued after the bar's creation, on the same thread: its id is known by then
+        send(lambda: update_progress_artifact(self.artifact_id, percent, description=description))
         self._sent_percent, self._sent_at = percent, now
 
     def finish(self, description: str) -> None:

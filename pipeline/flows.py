@@ -26,6 +26,7 @@ from uuid import UUID, uuid4
 import datasets
 from prefect import flow, get_run_logger, task
 
+from pipeline import artifacts
 from pipeline.artifacts import generation_progress, ppo_progress, publish_stage, publish_summary, turn_progress
 from pipeline.audit import audit_before_training
 from pipeline.distributed import train_with_torchrun
@@ -169,6 +170,8 @@ def stage_task(stage: str) -> Callable[[Callable[..., tuple[datasets.Dataset, di
             store.write_dataset(stage, version, dataset, manifest)
             get_run_logger().info("%s/%s: %d rows in %.1f s", stage, version, len(dataset), time.time() - started)
             publish_stage(store, stage, version)
+            if config.runner.kind == "ray":  # this may be a Ray worker: it can end before its artifacts are sent
+                artifacts.flush()
             return version
 
         return task(
@@ -375,9 +378,12 @@ def ppo_update_task(
 
 
 @flow(name="rl-iteration")
-def rl_iteration(config: RunConfig, iteration: int | None = None, policy_version: str | None = None) -> dict[str, Any]:
+def rl_iteration(
+    config: RunConfig, iteration: int | None = None, policy_version: str | None = None, plot: bool = True
+) -> dict[str, Any]:
     """One RL iteration. Without arguments: the next iteration from the store's newest policy
-    (what a scheduled deployment run does). One iteration at a time per store: a file lock."""
+    (what a scheduled deployment run does). One iteration at a time per store: a file lock.
+    `plot`: draw the learning curve into the summary artifact (rl-training: at its last iteration)."""
     load_plugins(config.task.plugins)
     store = Store(config.store.runs_dir)
     with store.lock(), stage_runner(config.runner) as runner:
@@ -410,7 +416,8 @@ def rl_iteration(config: RunConfig, iteration: int | None = None, policy_version
     get_run_logger().info(
         "iteration %d: reward %.3f, success %.2f", iteration, metrics["reward_mean"] or 0, metrics["success_rate"] or 0
     )
-    publish_summary(store, next_policy)
+    publish_summary(store, next_policy, plot=plot)
+    artifacts.flush()
     return {
         "iteration": iteration,
         "policy": policy_version,
@@ -438,7 +445,8 @@ def rl_training(config: RunConfig) -> list[dict[str, Any]]:
     with stage_runner(config.runner), flow_heartbeats(enabled=False):
         try:
             for iteration in range(config.iterations):
-                results.append(rl_iteration(config, iteration=iteration, policy_version=policy_version))
+                last = iteration == config.iterations - 1
+                results.append(rl_iteration(config, iteration=iteration, policy_version=policy_version, plot=last))
                 policy_version = results[-1]["next_policy"]
         finally:
             close_engine()
@@ -458,7 +466,10 @@ def rerun_stage(config: RunConfig, stage: str, source: str) -> str:
         raise ValueError(f"`mtrl stage {stage}` cannot run on {source_stage}/VERSION; valid: {choices}")
     with store.lock(), stage_runner(config.runner) as runner:
         if stage == "assign-rewards":
-            return run_stage(assign_rewards_task, config, {"execute-tools": source_version}, runner=runner)
-        if stage == "compute-advantages":
-            return run_stage(compute_advantages_task, config, advantage_parents(config, store, source_version))
-        return run_stage(ppo_update_task, config, *update_parents(store, source_version))
+            version = run_stage(assign_rewards_task, config, {"execute-tools": source_version}, runner=runner)
+        elif stage == "compute-advantages":
+            version = run_stage(compute_advantages_task, config, advantage_parents(config, store, source_version))
+        else:
+            version = run_stage(ppo_update_task, config, *update_parents(store, source_version))
+    artifacts.flush()
+    return version

@@ -7,6 +7,7 @@ time its stages took.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 from pathlib import Path
@@ -84,7 +85,14 @@ PLOT_COLORS = 64  # a palette PNG: about a third of the bytes of a full-colour o
 
 
 def plot_png(rows: list[dict[str, Any]]) -> bytes:
-    """The learning curve as PNG bytes, small enough to embed in every iteration's summary."""
+    """The learning curve as PNG bytes, small enough to embed in a summary artifact. The same
+    rows are drawn once per process (a run's end publishes the plot, then `mtrl run` prints it)."""
+    return _plot_png(json.dumps(rows, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=1)
+def _plot_png(rows_json: str) -> bytes:
+    rows = json.loads(rows_json)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,11 +125,12 @@ def plot_png(rows: list[dict[str, Any]]) -> bytes:
     return compressed.getvalue()
 
 
-def write_files(rows: list[dict[str, Any]], out_dir: Path) -> Path:
-    """learning_curve.png and summary.json in out_dir; returns the PNG's path."""
+def write_files(rows: list[dict[str, Any]], out_dir: Path, plot: bool = True) -> Path:
+    """summary.json and (with `plot`) learning_curve.png in out_dir; returns the PNG's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     png = out_dir / "learning_curve.png"
-    png.write_bytes(plot_png(rows))
+    if plot:
+        png.write_bytes(plot_png(rows))
     (out_dir / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
     return png
 

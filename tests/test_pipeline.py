@@ -81,6 +81,9 @@ def test_the_flow_run_shows_the_plot_a_table_and_finished_progress_bars(first_ru
         progress = client.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[summary.flow_run_id]))
         )
+        tables = client.read_artifacts(  # the newest: this store's are among them
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=list(STAGES))), sort=ArtifactSort.CREATED_DESC
+        )
     image = re.search(r"!\[[^]]*\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", summary.data)
     assert image and base64.b64decode(image.group(1)).startswith(b"\x89PNG\r\n\x1a\n")
     assert len(image.group(1)) < 100_000  # embedded in every iteration's summary: kept small
@@ -88,6 +91,11 @@ def test_the_flow_run_shows_the_plot_a_table_and_finished_progress_bars(first_ru
     assert re.search(r"\n\| 0 \| [0-9.]+ \|", summary.data)  # iteration 0's row
     bars = {a.key: a.data for a in progress if a.type == "progress"}
     assert bars == {"generate-rollouts-progress": 100.0, "ppo-update-progress": 100.0}
+    # every stage version's table, sent in the background, reached its own task run
+    published = {a.description.split(" in ")[0]: a for a in tables if a.description.endswith(f" in {store.root}")}
+    written = {f"{m.stage}/{m.version}" for m in store.versions() if m.stage != POLICY}
+    assert set(published) == written
+    assert all(a.task_run_id is not None and a.flow_run_id == summary.flow_run_id for a in published.values())
 
 
 def test_token_streams_reproduce_what_the_model_saw(first_run, tiny):
