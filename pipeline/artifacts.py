@@ -111,9 +111,13 @@ class Progress:
         return cls(send(create_progress_artifact, 0.0, key=key, description=description))
 
     @property
-    def artifact_id(self) -> UUID:
-        """The bar's id, once the API created it (task runs that update it take it as a parameter)."""
-        return self._artifact.result()
+    def artifact_id(self) -> UUID | None:
+        """The bar's id once the API created it (task runs that update it take it as a
+        parameter); None if the API refused it (warned about when sent)."""
+        try:
+            return self._artifact.result()
+        except Exception:
+            return None
 
     def update(self, percent: float, description: str | None = None) -> None:
         percent, now = round(percent, 1), time.monotonic()  # the UI prints every digit it gets
@@ -121,8 +125,11 @@ class Progress:
             percent <= self._sent_percent or (percent < 100 and now - self._sent_at < UPDATE_INTERVAL_S)
         ):
             return
-        # queued after the bar's creation, on the same thread: its id is known by then
-        send(lambda: update_progress_artifact(self.artifact_id, percent, description=description))
+        def send_update() -> None:  # queued after the bar's creation, on the same thread: its id is known
+            if self.artifact_id is not None:
+                update_progress_artifact(self.artifact_id, percent, description=description)
+
+        send(send_update)
         self._sent_percent, self._sent_at = percent, now
 
     def finish(self, description: str) -> None:
@@ -135,9 +142,12 @@ def generation_progress(iteration: int, turn_limit: int) -> Progress:
     return Progress.create(GENERATION_PROGRESS_KEY, f"iteration {iteration}: turn 1 of at most {turn_limit}")
 
 
-def turn_progress(artifact_id: UUID, iteration: int, turn: int, turn_limit: int) -> Callable[[float], None]:
+def turn_progress(artifact_id: UUID | None, iteration: int, turn: int, turn_limit: int) -> Callable[[float], None]:
     """A generate-rollouts callback: the share of turn `turn` decoded moves the iteration's
-    bar from turn/turn_limit to (turn + 1)/turn_limit; the end of a turn is always sent."""
+    bar from turn/turn_limit to (turn + 1)/turn_limit; the end of a turn is always sent. No
+    bar (the API refused it): nothing is sent."""
+    if artifact_id is None:
+        return lambda decoded: None
     progress = Progress(artifact_id)
 
     def report(decoded: float) -> None:

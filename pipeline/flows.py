@@ -213,7 +213,12 @@ def run_stage(
 
 @stage_task("generate-rollouts")
 def generate_rollouts_task(
-    store: Store, config: RunConfig, parents: dict[str, str], iteration: int, turn: int, progress_artifact: UUID
+    store: Store,
+    config: RunConfig,
+    parents: dict[str, str],
+    iteration: int,
+    turn: int,
+    progress_artifact: UUID | None = None,
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
     policy_version, previous = parents[POLICY], parents.get("execute-tools")
     tokenizer = cached_tokenizer(str(store.policy_dir(policy_version)))

@@ -316,3 +316,23 @@ def test_an_iteration_where_every_rollout_fails_stops_and_writes_no_policy(tmp_p
     with pytest.raises(Exception, match=r"4 of 4 rollouts failed .*the environment's server is down"):
         rl_training(config)
     assert [m.iteration for m in Store(tmp_path).versions("policy")] == [-1]  # only the starting policy
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_an_artifact_the_api_refuses_is_a_warning_in_the_log_not_a_failed_run(capfd):
+    from prefect import flow
+    from prefect.artifacts import create_table_artifact
+
+    from pipeline import artifacts
+
+    @flow(name="refused-artifact")
+    def publish_a_bad_key() -> str:
+        artifacts.send(create_table_artifact, key="Not a key!", table=[{"rows": 1}])  # keys are lowercase-dashes
+        bar = artifacts.Progress.create("Not a key either", "refused too")
+        bar.finish("done")  # an update of a bar that does not exist sends nothing
+        artifacts.flush()
+        return "finished"
+
+    assert publish_a_bad_key() == "finished"
+    logged = capfd.readouterr().err  # Prefect's console handler
+    assert logged.count("WARNING | Flow run") == logged.count("Prefect artifact not sent: ValidationError") == 2
