@@ -125,6 +125,7 @@ class Progress:
             percent <= self._sent_percent or (percent < 100 and now - self._sent_at < UPDATE_INTERVAL_S)
         ):
             return
+
         def send_update() -> None:  # queued after the bar's creation, on the same thread: its id is known
             if self.artifact_id is not None:
                 update_progress_artifact(self.artifact_id, percent, description=description)
