@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import io
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -125,13 +126,21 @@ def _plot_png(rows_json: str) -> bytes:
     return compressed.getvalue()
 
 
+def replace_file(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all: runs finishing together, or a crash mid-write, never
+    leave a half-written report (the last complete writer wins)."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    partial.write_bytes(data)
+    os.replace(partial, path)
+
+
 def write_files(rows: list[dict[str, Any]], out_dir: Path, plot: bool = True) -> Path:
     """summary.json and (with `plot`) learning_curve.png in out_dir; returns the PNG's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     png = out_dir / "learning_curve.png"
     if plot:
-        png.write_bytes(plot_png(rows))
-    (out_dir / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+        replace_file(png, plot_png(rows))
+    replace_file(out_dir / "summary.json", (json.dumps(rows, indent=2) + "\n").encode())
     return png
 
 
