@@ -13,6 +13,8 @@ the turn and what is wrong (also available as `mtrl audit STAGE/VERSION`):
   advantages     finite; failed rollouts carry none
   failed         at most max_failed_fraction of the rollouts failed (an infrastructure failure
                  each: a crashed tool, a raising environment)
+  trainable      at least one completion token (prompts that all overflow the context would
+                 otherwise train a no-op update and report success)
   policy         the policy version that generated the rows is in the store
   rescore        a sample of rollouts re-scored by the stored policy agrees with the stored
                  logprobs within a tolerance
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,6 +171,17 @@ def audit(
         if share <= max_failed_fraction
         else f"{len(failed)} of {len(all_rollouts)} rollouts failed ({share:.0%} > max_failed_fraction "
         f"{max_failed_fraction:g}); the first: {_failure_of(turns, failed[0])}",
+    )
+    generated = sum(len(ids) for ids in turns["completion_token_ids"])
+    stop_reasons = Counter(turns["stop_reason"]) if "stop_reason" in columns else Counter()
+    stop_reasons.pop(None, None)
+    report.add(
+        "trainable",
+        None
+        if generated or not all_rollouts
+        else f"not one completion token in {len(all_rollouts)} rollouts, so ppo-update would train on nothing "
+        f"(stop reasons: {', '.join(f'{reason} {n}' for reason, n in stop_reasons.most_common()) or 'none'}); "
+        "a context_overflow means the prompts do not fit generation.max_context_tokens",
     )
     for policy in sorted(set(turns["policy_version"])):
         report.add("policy", None if store.exists(POLICY, policy) else f"policy {policy} is not in the store")

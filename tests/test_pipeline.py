@@ -318,6 +318,23 @@ def test_an_iteration_where_every_rollout_fails_stops_and_writes_no_policy(tmp_p
     assert [m.iteration for m in Store(tmp_path).versions("policy")] == [-1]  # only the starting policy
 
 
+def test_an_iteration_whose_prompts_all_overflow_the_context_stops_and_writes_no_policy(tmp_path):
+    """Every prompt longer than generation.max_context_tokens: each rollout ends as a context
+    overflow before generating, and an update on no tokens must not pass for a trained policy."""
+    from pipeline.flows import rl_training
+    from schemas.config import RunConfig
+
+    config = RunConfig(
+        iterations=1,
+        task={"rollouts": 4, "group_size": 2},
+        generation={"max_context_tokens": 64, "max_new_tokens": 32},  # the calculator prompts are longer
+        store={"runs_dir": tmp_path},
+    )
+    with pytest.raises(Exception, match=r"not one completion token in 4 rollouts.*context_overflow 4"):
+        rl_training(config)
+    assert [m.iteration for m in Store(tmp_path).versions("policy")] == [-1]  # only the starting policy
+
+
 @pytest.mark.usefixtures("prefect_server")
 def test_an_artifact_the_api_refuses_is_a_warning_in_the_log_not_a_failed_run(capfd):
     from prefect import flow
