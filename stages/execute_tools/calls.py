@@ -155,7 +155,7 @@ def _check(call: ToolCall, tools: dict[str, Callable[..., Any]]) -> ToolResult |
 WORKER_SCRIPT = Path(__file__).with_name("worker.py")
 # How much of a dead worker's stderr its error result quotes: the rollout's `failure` keeps the
 # first 1000 characters of the message, which leaves room for the words around the quote.
-STDERR_TAIL_BYTES = 800
+STDERR_TAIL_CHARS = 800
 NOT_SANDBOXABLE = (
     "cannot run in a sandbox worker, which imports a tool by module and name (a lambda, a closure, "
     "a method or a function of __main__ cannot be): move it to a module-level function of an importable "
@@ -263,11 +263,12 @@ class _Worker:
             return
         fd = self.stderr.fileno()
         size = os.fstat(fd).st_size
-        end = os.pread(fd, 16 * STDERR_TAIL_BYTES, max(0, size - 16 * STDERR_TAIL_BYTES)).decode(errors="replace")
+        # read generously (a character is up to 4 bytes, and the module list below is dropped)
+        end = os.pread(fd, 16 * STDERR_TAIL_CHARS, max(0, size - 16 * STDERR_TAIL_CHARS)).decode(errors="replace")
         # faulthandler closes its dump with one long line listing every loaded extension module:
         # noise that would push the traceback out of the quote
         lines = [line for line in end.splitlines() if not line.startswith("Extension modules:")]
-        tail = "\n".join(lines).strip()[-STDERR_TAIL_BYTES:]
+        tail = "\n".join(lines).strip()[-STDERR_TAIL_CHARS:]
         self.stderr.close()
         status = _exit_status(self.process.returncode)
         self.exit_report = f"{status}; its stderr ends with:\n{tail}" if tail else f"{status}, nothing on its stderr"
