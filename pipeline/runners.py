@@ -83,6 +83,7 @@ def stage_runner(config: RunnerConfig) -> Iterator[Any | None]:
         temp_dir = tempfile.mkdtemp(prefix="mtrl-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
         runner = RayTaskRunner(
             init_kwargs={
+                "address": "local",  # a new Ray: without it, ray.init joins a cluster `ray start` left running
                 "num_cpus": os.cpu_count(),
                 "include_dashboard": False,
                 "_node_ip_address": "127.0.0.1",

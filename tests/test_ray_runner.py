@@ -76,7 +76,7 @@ def test_row_shards_run_as_ray_tasks_and_come_back_in_order(monkeypatch):
         out = map_row_shards(_tag_with_pid, rows, RunnerConfig(kind="ray", shards=4))
         return os.getpid(), out["x"], out["pid"], ray.util.get_node_ip_address()
 
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         stage_pid, order, pids, address = ray.get(stage.remote())
     finally:
