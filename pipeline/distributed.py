@@ -1,45 +1,80 @@
-"""ppo-update on several processes: launch and supervise a torchrun job (ppo.world_size > 1).
+"""ppo-update on several processes: launch and supervise a torchrun job (ppo.world_size > 1), on
+this machine or on several nodes of a Ray cluster (ppo.nodes > 1).
 
 The ppo-update task calls `train_with_torchrun` instead of training in its own process:
 
   1. it writes WORK/request.json (the audited compute-advantages folder, the policy folder,
      the config, the seed) into a hidden folder of the store, removed afterwards (or by the
      store's clean-up of stale temporary folders if this process dies);
-  2. it runs `torchrun --nproc-per-node N ... -m pipeline.ppo_worker WORK/request.json` on
-     this machine (--max-restarts 0: a failed rank fails the job, it is not retried), streams
-     every line of the ranks' output (prefixed [default<rank>]) to `log`, and turns rank 0's
-     progress lines into `report_progress` calls;
-  3. a non-zero exit raises TrainingProcessError naming the rank that failed first (torchrun's
-     "Root Cause") and its exit code or signal; a rank that dies never leaves the others
-     hanging: torchrun stops the others, and a collective waits at most
-     ppo.collective_timeout_s;
-  4. on success it returns what rank 0 wrote (the next policy's files, the metrics rows),
+  2. one torchrun per node runs world_size / nodes processes of `-m pipeline.ppo_worker
+     WORK/request.json` (--max-restarts 0: a failed rank fails the job, it is not retried;
+     every line of a rank starts with its global rank, [rank<r>]:):
+       - one node: torchrun is a child of this process;
+       - K nodes: this process connects to the Ray cluster at runner.ray_address, reserves one
+         placement-group bundle per node (STRICT_SPREAD: K distinct nodes; a bundle holds the
+         CPUs, and GPUs, of that node's processes), and runs on each node a Ray task that
+         starts torchrun there and streams its lines back (a Ray streaming generator). This is
+         "torchrun on Ray's nodes", as Ray's own release tests launch it; Ray Train would
+         replace torchrun and the worker by its own worker actors, and the two launchers
+         would no longer share the worker, its output or its failure reports;
+  3. one loop (`supervise`) reads every node's lines: it logs them, turns rank 0's progress
+     lines into `report_progress` calls and keeps the last lines of each rank and torchrun;
+  4. a failure raises TrainingProcessError naming the rank that failed first (torchrun's
+     "Root Cause"; over several nodes the earliest one, and the node) and its exit code or
+     signal. A rank that dies never leaves the others hanging: its torchrun stops the ranks of
+     its node, the ranks of other nodes fail at their next collective (at most
+     ppo.collective_timeout_s later), and after FAILURE_GRACE_S their Ray tasks are cancelled;
+  5. nothing outlives the job: torchrun gets SIGTERM when the thread that started it ends
+     (Linux PR_SET_PDEATHSIG), a SIGKILLed mtrl or a cancelled Ray task included, and stops its
+     ranks on SIGTERM;
+  6. on success it returns what rank 0 wrote (the next policy's files, the metrics rows),
      which the task publishes through store.write as in the single-process case.
+
+No port is chosen before it is bound (a port found free and handed on can be taken meanwhile):
+on one machine torchrun's rendezvous store binds 127.0.0.1:0, as --standalone does; over Ray
+a small actor on node 0 binds it on port 0 and the torchruns of all nodes connect to it. Then
+the agent of rank 0 binds the ranks' own store on port 0 as well and hands it to them as
+MASTER_PORT (torch 2.13 shares that store with the ranks unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
+which brings back a port found free and handed on).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipeline import ppo_worker
-from pipeline.prefect_env import free_port
 from schemas.config import RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository the workers must import, as this process does
-LAST_LINES = 30  # of torchrun's own output and of each rank's, kept to quote in a failure
-RANK_PREFIX = re.compile(r"^\[default(\d+)\]:")  # torchrun --tee: "[default<local rank>]:" before each line
+LAST_LINES = 30  # of each torchrun's own output and of each rank's, kept to quote in a failure
+# TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE: torchrun --tee starts each line of a rank with "[rank<global rank>]:"
+# (its default, "[default<local rank>]:", would repeat the same numbers on every node)
+LINE_PREFIX_TEMPLATE = "[rank${rank}]:"
+RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:")
 PROGRESS_LINE = re.compile(rf"{ppo_worker.PROGRESS} ([0-9]+\.[0-9]+)")
+# After one node's torchrun failed, the others' ranks fail at their next collective (gloo notices a
+# closed peer within a second): their own reports are awaited this long, then their tasks cancelled.
+FAILURE_GRACE_S = 5.0
+PLACEMENT_TIMEOUT_S = 120.0  # for the Ray cluster to find ppo.nodes distinct nodes with the resources
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+# What a node's stream carries: (node, a line of its output) ..., then (node, torchrun's exit code).
+Event = tuple[int, str | int]
 
 
 class TrainingProcessError(RuntimeError):
@@ -55,6 +90,7 @@ class TrainedOnRanks:
     optimizer_state_restored: int
     memory_per_rank: list[dict[str, Any]]
     train_s: float  # train_policy's wall time on rank 0 (without the processes' start-up)
+    nodes: list[dict[str, Any]]  # per node: where it ran (its address; its Ray node id) and its ranks
 
     def save(self, directory: Path) -> dict[str, Any]:
         """Move the files into the store's temporary folder (same filesystem: a rename)."""
@@ -63,21 +99,97 @@ class TrainedOnRanks:
         return {}
 
 
-def torchrun_command(world_size: int, request: Path) -> list[str]:
+@dataclass
+class Job:
+    """A started torchrun job: where its nodes are and the stream of their events."""
+
+    nodes: list[dict[str, Any]]  # per node: "address" (and "ray_node_id" on Ray)
+    events: Iterator[Event]
+
+    def name(self, node: int) -> str:
+        return node_name(self.nodes, node)
+
+
+def node_name(nodes: list[dict[str, Any]], node: int) -> str:
+    return f"node {node} ({nodes[node]['address']})"
+
+
+def torchrun_command(
+    request: Path, *, nnodes: int, nproc_per_node: int, rendezvous: str, host_rendezvous: bool, local_addr: str
+) -> list[str]:
+    """torchrun for this node's share of the ranks. `rendezvous` is the c10d store's HOST:PORT,
+    which this torchrun binds when `host_rendezvous` (port 0: the kernel picks a free one);
+    `local_addr` is this node's address, the ranks' MASTER_ADDR when rank 0 runs here."""
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        f"--nproc-per-node={world_size}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rendezvous}",
+        f"--rdzv-conf=is_host={str(host_rendezvous).lower()}",
+        f"--local-addr={local_addr}",
         "--max-restarts=0",  # a failed rank fails the stage: a retry would train on from a half-done state
-        "--tee=3",  # prefix each line with its rank, [default0]: ...
+        "--tee=3",  # every line of a rank, prefixed with its rank (LINE_PREFIX_TEMPLATE)
         f"--log-dir={request.parent / 'logs'}",
         "-m",
         "pipeline.ppo_worker",
         str(request),
     ]
+
+
+def signal_when_parent_dies() -> Callable[[], None] | None:
+    """A preexec_fn that has the kernel send the child SIGTERM when the thread that started it
+    ends, however it ends (SIGKILL included); torchrun then stops its ranks. Linux only (None
+    elsewhere). The thread that starts torchrun here reads its output until it exits, so it
+    never ends first in a run that goes well. Ray starts its own processes this way."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    parent = os.getpid()
+
+    def preexec() -> None:
+        if prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:  # the parent died before prctl: the signal will never come
+            os._exit(1)
+
+    return preexec
+
+
+def torchrun_output(command: list[str]) -> Iterator[str | int]:
+    """Run torchrun: yield the command line, each line of its output, then its exit code.
+    Closing the generator early stops torchrun (and its ranks)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": LINE_PREFIX_TEMPLATE,
+    }
+    yield " ".join(command)
+    job = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        # the child calls only prctl and getppid before exec: no lock that another thread could hold
+        preexec_fn=signal_when_parent_dies(),
+    )
+    try:
+        for line in job.stdout:
+            yield line.rstrip("\n")
+        yield job.wait()
+    finally:
+        if job.poll() is None:  # the reader stopped early (interrupted, or another node failed)
+            job.terminate()
+            job.wait()
+
+
+# ---------------------------------------------------------------------------------------
+# Where the job runs: this machine, or the nodes of a Ray cluster
+# ---------------------------------------------------------------------------------------
 
 
 def check_devices(config: RunConfig) -> None:
@@ -92,23 +204,225 @@ def check_devices(config: RunConfig) -> None:
         )
 
 
-def failure_message(returncode: int, world_size: int, tails: dict[str, deque[str]]) -> str:
-    """Which rank failed first and how, from torchrun's "Root Cause" report, with that rank's
-    last lines of output (its traceback) and torchrun's."""
-    report = "\n".join(tails["torchrun"])
-    root = report[report.find("Root Cause") :] if "Root Cause" in report else ""
-    rank = re.search(r"rank\s*:\s*(\d+)", root)
-    code = re.search(r"exitcode\s*:\s*(-?\d+)", root)
-    who = f"rank {rank.group(1)} of {world_size}" if rank else f"a rank of {world_size} (torchrun exit {returncode})"
-    how = ""
-    if code:
-        value = int(code.group(1))
-        how = f" (killed by {signal.Signals(-value).name})" if value < 0 else f" (exit code {value})"
-    own = "\n".join(tails.get(rank.group(1), [])) if rank else ""
-    return (
-        f"ppo-update failed: training process {who} died{how}; no policy was written.\n"
-        f"Its last lines:\n{own}\ntorchrun:\n{report}"
+@contextlib.contextmanager
+def torchrun_here(config: RunConfig, request: Path) -> Iterator[Job]:
+    """The job as one torchrun, a child of this process."""
+    check_devices(config)
+    command = torchrun_command(
+        request,
+        nnodes=1,
+        nproc_per_node=config.ppo.world_size,
+        rendezvous="127.0.0.1:0",
+        host_rendezvous=True,
+        local_addr="127.0.0.1",
     )
+    output = torchrun_output(command)
+    try:
+        yield Job([{"address": socket.gethostname()}], ((0, item) for item in output))
+    finally:
+        output.close()
+
+
+class RendezvousStore:
+    """A Ray actor on node 0 that holds the TCP store of torchrun's c10d rendezvous, bound on
+    port 0 (the kernel's choice, kept while the job runs); every node's torchrun connects to it."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+        from ray.util import get_node_ip_address
+
+        self.address = get_node_ip_address()
+        self.store = dist.TCPStore(self.address, 0, is_master=True, multi_tenant=True, wait_for_workers=False)
+
+    def endpoint(self) -> str:
+        return f"{self.address}:{self.store.port}"
+
+
+def torchrun_on_node(request: str, nnodes: int, nproc_per_node: int, rendezvous: str) -> Iterator[str | int]:
+    """A Ray task on one node: that node's torchrun, its lines streamed back, then its exit code."""
+    from ray.util import get_node_ip_address
+
+    address = get_node_ip_address()
+    if not Path(request).is_file():
+        raise TrainingProcessError(
+            f"{request} is not on the node at {address}: with ppo.nodes > 1 the runs directory (store.runs_dir) "
+            "must be on a filesystem every node sees, at the same path"
+        )
+    command = torchrun_command(
+        Path(request),
+        nnodes=nnodes,
+        nproc_per_node=nproc_per_node,
+        rendezvous=rendezvous,
+        host_rendezvous=False,
+        local_addr=address,
+    )
+    yield from torchrun_output(command)
+
+
+def node_streams(ray: Any, tasks: dict[Any, int], nodes: list[dict[str, Any]]) -> Iterator[Event]:
+    """The events of every node's task, as they come. Once a node's torchrun failed, the others
+    get FAILURE_GRACE_S to end with their own reports; then the stream ends (the caller cancels
+    what still runs). A task that fails in Ray (its node lost, the request unreadable) fails the job."""
+    running = dict(tasks)
+    grace_ends: float | None = None
+    while running:
+        timeout = None if grace_ends is None else max(0.0, grace_ends - time.monotonic())
+        ready, _ = ray.wait(list(running), num_returns=1, timeout=timeout)
+        if not ready:
+            return
+        node = running[ready[0]]
+        try:
+            item = ray.get(next(ready[0]))
+        except StopIteration:
+            del running[ready[0]]
+            continue
+        except ray.exceptions.RayError as error:
+            cause = getattr(error, "cause", None) or error  # a task's own exception, else Ray's
+            raise TrainingProcessError(
+                f"ppo-update failed: the Ray task of {node_name(nodes, node)} failed; no policy was written.\n{cause}"
+            ) from None
+        yield node, item
+        if isinstance(item, int) and item != 0 and grace_ends is None:
+            grace_ends = time.monotonic() + FAILURE_GRACE_S
+
+
+@contextlib.contextmanager
+def torchrun_on_ray(config: RunConfig, request: Path) -> Iterator[Job]:
+    """The job as one torchrun on each of ppo.nodes distinct nodes of the Ray cluster."""
+    from pipeline.runners import ray_cluster
+
+    nodes, per_node = config.ppo.nodes, config.ppo.world_size // config.ppo.nodes
+    with ray_cluster(config.runner, purpose=f"ppo.nodes={nodes}") as ray:
+        from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        gpus = config.model.device == "cuda" or (
+            config.model.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
+        )
+        bundle = {"CPU": per_node, **({"GPU": per_node} if gpus else {})}
+        group = placement_group([bundle] * nodes, strategy="STRICT_SPREAD")
+        tasks: dict[Any, int] = {}
+        store = None
+        try:
+            try:
+                ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                alive = [
+                    f"{n['NodeManagerAddress']} "
+                    + str({k: n["Resources"][k] for k in ("CPU", "GPU") if k in n["Resources"]})
+                    for n in ray.nodes()
+                    if n["Alive"]
+                ]
+                raise TrainingProcessError(
+                    f"ppo.nodes={nodes}: the Ray cluster found no {nodes} distinct nodes with {bundle} free each "
+                    f"within {PLACEMENT_TIMEOUT_S:.0f} s; its nodes: {'; '.join(alive)}"
+                ) from None
+            node_ids = placement_group_table(group)["bundles_to_node_id"]
+            addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+            where = [{"address": addresses[node_ids[i]], "ray_node_id": node_ids[i]} for i in range(nodes)]
+
+            def on_node(i: int) -> PlacementGroupSchedulingStrategy:
+                return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
+
+            store = ray.remote(RendezvousStore).options(num_cpus=0, scheduling_strategy=on_node(0)).remote()
+            rendezvous = ray.get(store.endpoint.remote())
+            node_task = ray.remote(
+                num_returns="streaming", num_cpus=per_node, num_gpus=per_node if gpus else 0, max_retries=0
+            )(torchrun_on_node)
+            for i in range(nodes):
+                run = node_task.options(scheduling_strategy=on_node(i)).remote(
+                    str(request), nodes, per_node, rendezvous
+                )
+                tasks[run] = i
+            yield Job(where, node_streams(ray, tasks, where))
+        finally:
+            for run in tasks:  # no effect on a finished task; a killed one takes its torchrun along
+                ray.cancel(run, force=True)
+            if store is not None:
+                ray.kill(store)
+            remove_placement_group(group)
+
+
+# ---------------------------------------------------------------------------------------
+# Supervision: one loop for both
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class RootCause:
+    """The first failure torchrun reports on its node ("Root Cause (first observed failure)")."""
+
+    time: str  # as torchrun prints it, 2026-11-25_10:03:12: ordered as text; "~" when it reported none
+    rank: str | None
+    exitcode: int | None
+
+    @classmethod
+    def parse(cls, report: str) -> RootCause:
+        root = report[report.find("Root Cause") :] if "Root Cause" in report else ""
+        when = re.search(r"time\s*:\s*(\S+)", root)
+        rank = re.search(r"rank\s*:\s*(\d+)", root)
+        code = re.search(r"exitcode\s*:\s*(-?\d+)", root)
+        return cls(
+            when.group(1) if when else "~", rank.group(1) if rank else None, int(code.group(1)) if code else None
+        )
+
+
+def failure_message(
+    failed: list[tuple[int, int]], world_size: int, tails: dict[str, deque[str]], job: Job | None = None
+) -> str:
+    """Which rank failed first and how, from the "Root Cause" that torchrun reports on each
+    failed node (`failed`: (node, exit code) in the order they ended): the earliest one, and
+    between equal times (torchrun prints seconds) the node that ended first. With that rank's
+    last lines of output (its traceback) and its torchrun's; its node named when `job` has several."""
+    causes = [(node, code, RootCause.parse("\n".join(tails[f"node {node}"]))) for node, code in failed]
+    node, returncode, cause = min(causes, key=lambda failure: failure[2].time)
+    where = f" on {job.name(node)}" if job is not None and len(job.nodes) > 1 else ""
+    if cause.rank is not None:
+        who = f"rank {cause.rank} of {world_size}"
+    else:
+        who = f"a rank of {world_size} (torchrun exit {returncode})"
+    how = ""
+    if cause.exitcode is not None:
+        value = cause.exitcode
+        how = f" (killed by {signal.Signals(-value).name})" if value < 0 else f" (exit code {value})"
+    own = "\n".join(tails.get(f"rank {cause.rank}", [])) if cause.rank is not None else ""
+    report = "\n".join(tails[f"node {node}"])
+    return (
+        f"ppo-update failed: training process {who}{where} died{how}; no policy was written.\n"
+        f"Its last lines:\n{own}\ntorchrun{where}:\n{report}"
+    )
+
+
+def supervise(
+    job: Job, world_size: int, log: Callable[[str], None], report_progress: Callable[[float], None] | None
+) -> dict[int, set[int]]:
+    """Read the job's events to their end: log every line (torchrun's own with its node when
+    there are several), report rank 0's progress, keep the last lines of each rank and torchrun.
+    Raises TrainingProcessError when a torchrun failed; returns the ranks that ran on each node."""
+    tails: dict[str, deque[str]] = defaultdict(lambda: deque(maxlen=LAST_LINES))  # "rank 1", "node 0", ...
+    ranks_on: dict[int, set[int]] = defaultdict(set)
+    failed: list[tuple[int, int]] = []
+    several = len(job.nodes) > 1
+    for node, item in job.events:
+        if isinstance(item, int):
+            if item != 0:
+                failed.append((node, item))
+            continue
+        rank = RANK_PREFIX.match(item)
+        text = item[rank.end() :] if rank else item
+        progress = PROGRESS_LINE.fullmatch(text) if rank else None
+        if progress:
+            if report_progress is not None:
+                report_progress(float(progress.group(1)))
+            continue
+        if rank:
+            ranks_on[node].add(int(rank.group(1)))
+        tails[f"rank {rank.group(1)}" if rank else f"node {node}"].append(text)
+        # any other line, and a progress line that torchrun's tee glued to the next one
+        log(f"[{job.name(node)}] {item}" if several and not rank else item)
+    if failed:
+        raise TrainingProcessError(failure_message(failed, world_size, tails, job))
+    return ranks_on
 
 
 def train_with_torchrun(
@@ -122,8 +436,8 @@ def train_with_torchrun(
     log: Callable[[str], None],
     report_progress: Callable[[float], None] | None = None,
 ) -> TrainedOnRanks:
-    """Run the ppo-update as config.ppo.world_size processes; returns rank 0's results from `work`."""
-    check_devices(config)
+    """Run the ppo-update as config.ppo.world_size processes on config.ppo.nodes nodes; returns
+    rank 0's results from `work`."""
     work.mkdir(parents=True)
     request = work / ppo_worker.REQUEST
     payload = {
@@ -134,29 +448,11 @@ def train_with_torchrun(
         "seed": seed,
     }
     request.write_text(json.dumps(payload))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    tails: dict[str, deque[str]] = defaultdict(lambda: deque(maxlen=LAST_LINES))  # "torchrun", "0", "1", ...
-    command = torchrun_command(config.ppo.world_size, request)
-    log(f"ppo-update on {config.ppo.world_size} processes: {' '.join(command)}")
-    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
-    try:
-        for line in job.stdout:
-            line = line.rstrip("\n")
-            rank = RANK_PREFIX.match(line)
-            text = line[rank.end() :] if rank else line
-            progress = PROGRESS_LINE.fullmatch(text) if rank else None
-            if progress:
-                if report_progress is not None:
-                    report_progress(float(progress.group(1)))
-                continue
-            tails[rank.group(1) if rank else "torchrun"].append(text)
-            log(line)  # any other line, and a progress line that torchrun's tee glued to the next one
-        returncode = job.wait()
-    finally:
-        if job.poll() is None:  # this process was interrupted: stop the job with it
-            job.terminate()
-            job.wait()
-    if returncode != 0:
-        raise TrainingProcessError(failure_message(returncode, config.ppo.world_size, tails))
+    nodes = config.ppo.nodes
+    log(f"ppo-update on {config.ppo.world_size} processes, {config.ppo.world_size // nodes} on each of {nodes} node(s)")
+    launch = torchrun_on_ray if nodes > 1 else torchrun_here
+    with launch(config, request) as job:
+        ranks_on = supervise(job, config.ppo.world_size, log, report_progress)
     result = json.loads((work / ppo_worker.RESULT).read_text())
-    return TrainedOnRanks(work / ppo_worker.POLICY_FILES, **result)
+    placement = [{**where, "ranks": sorted(ranks_on[node])} for node, where in enumerate(job.nodes)]
+    return TrainedOnRanks(work / ppo_worker.POLICY_FILES, **result, nodes=placement)

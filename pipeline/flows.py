@@ -317,7 +317,7 @@ def ppo_update_task(
     store: Store, config: RunConfig, parents: dict[str, str], iteration: int
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
     """Train the policy on the iteration's rollouts (in this process, or as ppo.world_size
-    processes under torchrun); write the next policy, then the metrics."""
+    processes under torchrun, here or on ppo.nodes Ray nodes); write the next policy, then the metrics."""
     turns = store.load("compute-advantages", parents["compute-advantages"])
     report = audit_before_training(store, parents["compute-advantages"], turns, config, seed=config.seed + iteration)
     recompute = config.recomputes_old_logprobs()  # exact generation logprobs are the old ones (the audit re-scored)
@@ -329,6 +329,7 @@ def ppo_update_task(
         "report_progress": ppo_progress(iteration),
     }
     work = store.root / "ppo-update" / f"{TMP_PREFIX}{version}-train-{os.getpid()}-{uuid4().hex[:8]}"
+    placement: dict[str, Any] = {}  # several processes: where each rank ran
     try:
         with peak_memory() as memory:  # this stage's own peak (resident set; CUDA allocator)
             if config.ppo.world_size == 1:
@@ -353,6 +354,7 @@ def ppo_update_task(
                 ranks = trained.memory_per_rank
                 memory = {name: max(rank[name] for rank in ranks) for name in ("rss_before_mb", "peak_rss_mb")}
                 memory["ranks"] = ranks
+                placement["nodes"] = trained.nodes
         next_policy = version_key(POLICY, POLICY_CODE_VERSION, {}, {"ppo-update": version})
         policy_manifest = {
             "parents": {"ppo-update": version},
@@ -374,6 +376,7 @@ def ppo_update_task(
         "old_logprobs": "recomputed" if recompute else "generation",
         "policy": next_policy,
         "policy_files": written.files,
+        **placement,
     }
 
 

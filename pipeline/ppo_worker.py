@@ -1,8 +1,9 @@
 """One training process of a ppo-update on several processes (ppo.world_size > 1).
 
-pipeline/distributed.py starts world_size of them with torchrun:
+pipeline/distributed.py starts world_size of them with torchrun, on this machine or on
+ppo.nodes nodes of a Ray cluster (one torchrun per node):
 
-    torchrun --nproc-per-node N --master-addr 127.0.0.1 --master-port P --max-restarts 0 \\
+    torchrun --nnodes K --nproc-per-node N/K --rdzv-backend c10d --rdzv-endpoint HOST:PORT ... \\
         -m pipeline.ppo_worker WORK/request.json
 
 request.json names the compute-advantages dataset (a folder of the store, audited and
@@ -54,7 +55,8 @@ def main(request_path: str) -> None:
     request = json.loads(Path(request_path).read_text())
     config = RunConfig.model_validate(request["config"])
     ranks = init_ranks(config.ppo.collective_timeout_s)
-    print(f"rank {ranks.rank} of {ranks.world_size}: pid {os.getpid()}", flush=True)
+    # the processes of the job, for ps or kill (the tests find them so)
+    print(f"rank {ranks.rank} of {ranks.world_size}: pid {os.getpid()}, torchrun pid {os.getppid()}", flush=True)
     turns = datasets.load_from_disk(request["turns"])
     started = time.perf_counter()
     with peak_memory() as memory:

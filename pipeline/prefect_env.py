@@ -64,7 +64,7 @@ def quiet_libraries() -> None:
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (a Prefect server's, torchrun's rendezvous)."""
+    """A TCP port free on 127.0.0.1 now (a Prefect server's)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]

@@ -5,8 +5,9 @@
   the cluster at `runner.ray_address`; execute-tools further splits its rows over
   `runner.shards` Ray tasks (tool calls are independent per row); without Ray to run on, an
   error (RunnerError), never a quiet run in this process. Generation and training stay in the
-  process that holds the model. The runner changes where a stage runs, never its version or its
-  bytes.
+  process that holds the model (training on several nodes, ppo.nodes > 1, runs its own torchrun
+  job on the cluster at `runner.ray_address`: pipeline/distributed.py). The runner changes where
+  a stage runs, never its version or its bytes.
 
 Which stages may run on Ray is the stage table's `distributed` (pipeline/stage_table.py).
 
@@ -44,6 +45,33 @@ class RunnerError(ValueError):
     """The runner cannot start (no Prefect API for Ray workers, Ray missing, bad address)."""
 
 
+def import_ray(purpose: str) -> Any:
+    """The ray module, imported with RAY_ENVIRONMENT in this process's environment (before Ray
+    starts or connects); `purpose` names what needs it in the error when Ray is not installed."""
+    for name, value in RAY_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    try:
+        import ray
+    except ImportError:
+        raise RunnerError(f"{purpose} needs the ray extra: pip install 'mtrl[ray]'") from None
+    return ray
+
+
+@contextlib.contextmanager
+def ray_cluster(config: RunnerConfig, purpose: str) -> Iterator[Any]:
+    """The ray module, connected: to the cluster at config.ray_address for the duration, or
+    through the connection this process already has (the ray runner's)."""
+    ray = import_ray(purpose)
+    if ray.is_initialized():
+        yield ray
+        return
+    ray.init(address=config.ray_address, runtime_env={"env_vars": dict(RAY_ENVIRONMENT)}, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
 def prefect_api_url() -> str | None:
     from prefect.settings import get_current_settings
 
@@ -64,10 +92,8 @@ def stage_runner(config: RunnerConfig) -> Iterator[Any | None]:
             "`prefect server start --host 127.0.0.1` and export PREFECT_API_URL=http://127.0.0.1:4200/api "
             "(`mtrl run --runner ray` does this itself when PREFECT_API_URL is unset)"
         )
-    for name, value in RAY_ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
+    ray = import_ray("runner 'ray'")
     try:
-        import ray
         from prefect_ray import RayTaskRunner
     except ImportError:
         raise RunnerError("runner 'ray' needs the ray extra: pip install 'mtrl[ray]'") from None
@@ -110,10 +136,7 @@ def map_row_shards(
     Outside Ray the ray runner is an error, not a quiet run in this process."""
     if config.kind == "thread":
         return function(rows, *args)
-    try:
-        import ray
-    except ImportError:
-        raise RunnerError("runner 'ray' needs the ray extra: pip install 'mtrl[ray]'") from None
+    ray = import_ray("runner 'ray'")
     if not ray.is_initialized():
         raise RunnerError(
             "runner 'ray', but this process is not connected to Ray: with the ray runner a stage runs as a "

@@ -42,6 +42,8 @@ class Stage:
     inputs: tuple[str, ...]  # the stored versions it may read (its manifest's parents)
     features: Features  # the Arrow schema of its dataset
     config: tuple[str, ...]  # config fields its output depends on (hashed into its version)
+    # fields inside `config` that only say where it runs, not what it computes: left out of its version
+    placement: tuple[str, ...] = ()
     derived: tuple[str, ...] = ()  # values computed from the config, hashed too (see DERIVED)
     code: tuple[str, ...] = ()  # where its code starts (a folder: its *.py); what they import is followed
     distributed: bool = False  # may run as Ray tasks (runner.kind=ray); generation and training hold a model
@@ -65,7 +67,7 @@ class Stage:
 
     def recorded_config(self, config: RunConfig) -> dict[str, Any]:
         """The part of the run config this stage's output depends on, as a partial config."""
-        return config.pick(*self.config)
+        return config.pick(*self.config, leave_out=self.placement)
 
     def derived_values(self, config: RunConfig) -> dict[str, Any]:
         values = {name: DERIVED[name](config) for name in self.derived}
@@ -191,6 +193,11 @@ STAGES: dict[str, Stage] = {
             inputs=("compute-advantages", POLICY),
             features=features.PPO_UPDATE,
             config=("ppo", "seed", "generation.temperature"),
+            # The world size decides each rank's share and the order gradients are summed in, so it is
+            # hashed; the nodes only decide which machine runs which rank: the same ranks compute the
+            # same things, as the runner's choice of process does for tools (tested equal within
+            # float rounding: tests/test_distributed.py).
+            placement=("ppo.nodes",),
             derived=("device",),
             code=("stages/ppo_update.py", "pipeline/ppo_worker.py"),  # ppo.world_size > 1: its torchrun worker
             rerun_from="compute-advantages",

@@ -303,10 +303,19 @@ class PPOConfig(Section):
         1,
         ge=1,
         le=1024,
-        description="Training processes of ppo-update: >1 runs it under torchrun on this machine, the policy, its "
-        "gradients and AdamW state sharded with FSDP2 (nccl, one GPU per process; gloo on CPU), each process "
-        "taking its share of every mini-batch. The result equals one process up to float rounding, so the world "
-        "size is part of the version. Not with lora_rank > 0.",
+        description="Training processes of ppo-update: >1 runs it under torchrun (on this machine, or on `nodes` "
+        "nodes of a Ray cluster), the policy, its gradients and AdamW state sharded with FSDP2 (nccl, one GPU per "
+        "process; gloo on CPU), each process taking its share of every mini-batch. The result equals one process "
+        "up to float rounding, so the world size is part of the version. Not with lora_rank > 0.",
+    )
+    nodes: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Machines the world_size processes are spread over, world_size / nodes on each: 1 = torchrun on "
+        "this machine; >1 = torchrun on that many distinct nodes of the Ray cluster at runner.ray_address (the runs "
+        "directory and mtrl at the same paths on every node). Where the processes run, not what they compute: not "
+        "part of the version.",
     )
     collective_timeout_s: float = Field(
         600.0,
@@ -323,6 +332,11 @@ class PPOConfig(Section):
                 f"world_size={self.world_size} with lora_rank={self.lora_rank}: LoRA updates run in one process "
                 "(set world_size=1, or lora_rank=0 for a sharded full fine-tune)"
             )
+        if self.world_size % self.nodes:
+            raise ValueError(
+                f"world_size={self.world_size} over nodes={self.nodes}: every node runs the same number of "
+                "processes, so nodes must divide world_size"
+            )
         return self
 
 
@@ -333,7 +347,11 @@ class StoreConfig(Section):
 class RunnerConfig(Section):
     kind: Literal["thread", "ray"] = Field("thread", description="Where tools and rewards run.")
     max_workers: int = Field(8, ge=1, le=1024, description="Rollouts whose tool calls run at the same time.")
-    ray_address: str | None = Field(None, description="Ray cluster address; null means a local in-process Ray.")
+    ray_address: str | None = Field(
+        None,
+        description="Ray cluster address (the ray runner's tasks; ppo-update with ppo.nodes > 1); null means a local "
+        "in-process Ray.",
+    )
     shards: int = Field(
         1, ge=1, le=4096, description="With ray: Ray tasks that share one execute-tools stage's rows (tool calls)."
     )
@@ -354,6 +372,15 @@ class RunConfig(Section):
     ppo: PPOConfig = PPOConfig()
     store: StoreConfig = StoreConfig()
     runner: RunnerConfig = RunnerConfig()
+
+    @model_validator(mode="after")
+    def _training_nodes_have_a_cluster(self) -> RunConfig:
+        if self.ppo.nodes > 1 and not self.runner.ray_address:
+            raise ValueError(
+                f"ppo.nodes={self.ppo.nodes} runs ppo-update on the nodes of a Ray cluster: set runner.ray_address "
+                "(e.g. auto on a node of a cluster started with `ray start`, or HEAD_IP:6379)"
+            )
+        return self
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> RunConfig:
@@ -392,9 +419,10 @@ class RunConfig(Section):
         pass computes them? Yes for the hf engine in float32 (within 1e-5: tests/test_ppo.py)."""
         return self.generation.engine == "hf" and self.model.dtype == "float32"
 
-    def pick(self, *paths: str) -> dict[str, Any]:
+    def pick(self, *paths: str, leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
         """These fields as a JSON-normalised partial config (what a stage hashes into its
-        version), e.g. pick("advantage", "ppo.kl_coef") -> {"advantage": {...}, "ppo": {"kl_coef": 0.05}}."""
+        version), e.g. pick("advantage", "ppo.kl_coef") -> {"advantage": {...}, "ppo": {"kl_coef": 0.05}};
+        `leave_out` drops fields inside the picked sections, e.g. pick("ppo", leave_out=("ppo.nodes",))."""
         everything = self.model_dump(mode="json")
         picked: dict[str, Any] = {}
         for path in paths:
@@ -403,6 +431,12 @@ class RunConfig(Section):
             for name in sections:
                 source, target = source[name], target.setdefault(name, {})
             target[field] = source[field]
+        for path in leave_out:
+            *sections, field = path.split(".")
+            target = picked
+            for name in sections:
+                target = target[name]
+            del target[field]
         return picked
 
 
