@@ -41,7 +41,6 @@ which brings back a port found free and handed on).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import re
@@ -59,6 +58,7 @@ from typing import Any
 
 from pipeline import ppo_worker
 from schemas.config import RunConfig
+from stages.processes import signal_when_parent_dies
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository the workers must import, as this process does
 LAST_LINES = 30  # of each torchrun's own output and of each rank's, kept to quote in a failure
@@ -71,7 +71,6 @@ PROGRESS_LINE = re.compile(rf"{ppo_worker.PROGRESS} ([0-9]+\.[0-9]+)")
 # closed peer within a second): their own reports are awaited this long, then their tasks cancelled.
 FAILURE_GRACE_S = 5.0
 PLACEMENT_TIMEOUT_S = 120.0  # for the Ray cluster to find ppo.nodes distinct nodes with the resources
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 # What a node's stream carries: (node, a line of its output) ..., then (node, torchrun's exit code).
 Event = tuple[int, str | int]
@@ -139,25 +138,6 @@ def torchrun_command(
     ]
 
 
-def signal_when_parent_dies() -> Callable[[], None] | None:
-    """A preexec_fn that has the kernel send the child SIGTERM when the thread that started it
-    ends, however it ends (SIGKILL included); torchrun then stops its ranks. Linux only (None
-    elsewhere). The thread that starts torchrun here reads its output until it exits, so it
-    never ends first in a run that goes well. Ray starts its own processes this way."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
-    parent = os.getpid()
-
-    def preexec() -> None:
-        if prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-        if os.getppid() != parent:  # the parent died before prctl: the signal will never come
-            os._exit(1)
-
-    return preexec
-
-
 def torchrun_output(command: list[str]) -> Iterator[str | int]:
     """Run torchrun: yield the command line, each line of its output, then its exit code.
     Closing the generator early stops torchrun (and its ranks)."""
@@ -174,7 +154,7 @@ def torchrun_output(command: list[str]) -> Iterator[str | int]:
         text=True,
         env=env,
         cwd=ROOT,
-        # the child calls only prctl and getppid before exec: no lock that another thread could hold
+        # the thread that starts torchrun reads its output until it exits: it never ends first
         preexec_fn=signal_when_parent_dies(),
     )
     try:

@@ -12,7 +12,6 @@ import contextlib
 import fcntl
 import os
 import shutil
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -22,6 +21,8 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from stages.processes import free_port, signal_when_parent_dies
 
 
 def prefect_home(runs_dir: str | Path) -> Path:
@@ -63,13 +64,6 @@ def quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (a Prefect server's)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @contextlib.contextmanager
 def starting_alone(home: str | Path) -> Iterator[None]:
     """Hold while a Prefect server starts on the database in `home`. Servers that start together
@@ -97,6 +91,7 @@ def _start_server(
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a Ctrl-C reaches mtrl, which stops the server after its last logs
+                preexec_fn=signal_when_parent_dies(),  # and a SIGKILLed mtrl takes it along
             )
         deadline = time.monotonic() + timeout_s
         while not _healthy(url):
@@ -250,6 +245,7 @@ def _start_api(runs_dir: str | Path, runner_kind: str) -> Callable[[], bool]:
     port = free_port()
     timeout_s = float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"])
     started: dict[str, Any] = {}
+    ready, exiting = threading.Event(), threading.Event()
 
     def start() -> None:
         try:
@@ -259,13 +255,18 @@ def _start_api(runs_dir: str | Path, runner_kind: str) -> Callable[[], bool]:
                 save_database_template(home)
         except BaseException as exc:  # raised by wait(), in the caller's thread
             started["error"] = exc
+        ready.set()
+        # The kernel stops the server when the thread that started it ends (a SIGKILLed mtrl
+        # included: signal_when_parent_dies), so this thread lives until the process exits.
+        exiting.wait()
 
     starting = threading.Thread(target=start, name="prefect-api-start", daemon=True)
 
     def stop() -> None:  # at exit: after Prefect's own exit hooks have sent the last logs (registered later)
-        starting.join(timeout=timeout_s)
+        ready.wait(timeout=timeout_s)
         if "server" in started:
             _stop_server(started["server"])
+        exiting.set()
 
     atexit.register(stop)
     os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
@@ -274,7 +275,7 @@ def _start_api(runs_dir: str | Path, runner_kind: str) -> Callable[[], bool]:
     starting.start()
 
     def wait() -> bool:
-        starting.join()
+        ready.wait()
         if "error" in started:
             raise started["error"]
         return True

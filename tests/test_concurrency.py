@@ -108,3 +108,22 @@ def test_a_run_starts_its_prefect_server_only_while_no_other_is_starting_on_its_
         assert process.poll() is None
     assert process.wait(timeout=120) == 0, log.read_text()[-6000:]  # the lock is free: it starts now
     assert "Starting temporary server" in log.read_text() and "Traceback" not in log.read_text()
+
+
+def test_a_sigkilled_run_takes_its_temporary_prefect_server_along(tmp_path):
+    """The server mtrl starts for itself is stopped at exit; a SIGKILLed mtrl runs no exit hook,
+    so the kernel sends the server SIGTERM when mtrl's thread that started it ends."""
+    import psutil
+
+    run = start(tmp_path / "runs", seed=1)
+    servers: list[psutil.Process] = []
+    deadline = time.monotonic() + 120
+    while not servers and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.2)
+        children = psutil.Process(run.pid).children()
+        servers = [child for child in children if "prefect.server.api.server:create_app" in " ".join(child.cmdline())]
+    assert servers, "mtrl started no temporary Prefect server"
+    run.kill()
+    run.communicate()
+    gone, alive = psutil.wait_procs(servers, timeout=20)
+    assert not alive, f"the Prefect server {alive[0].pid} outlived the SIGKILLed mtrl"

@@ -195,6 +195,33 @@ def test_a_server_killed_mid_turn_fails_the_run_clearly_and_the_same_command_res
     assert len(list((runs / "logs").glob("vllm-*.log"))) == 2
 
 
+def test_a_sigkilled_mtrl_takes_its_vllm_server_and_engine_processes_along(tmp_path, prefect_server_env):
+    """mtrl stops its server at exit; a SIGKILLed mtrl runs no exit hook, so the kernel sends the
+    server SIGTERM (it stops its engine processes) when the thread that started it ends."""
+    import psutil
+
+    runs = tmp_path / "runs"
+    run = mtrl_run(runs, prefect_server_env)
+    deadline = time.monotonic() + 300
+    while not list((runs / "generate-rollouts").glob("[0-9a-f]*")) and time.monotonic() < deadline:
+        assert run.poll() is None, run.communicate()[0][-3000:]
+        time.sleep(0.2)
+    (server,) = server_pids(runs)  # up and generating: its engine processes exist
+    group = [p for p in psutil.process_iter() if p.pid != server and _process_group(p.pid) == server]
+    assert group, "the vLLM server started no engine process"
+    run.kill()  # mtrl only: the server has its own process group
+    run.communicate()
+    _, alive = psutil.wait_procs([psutil.Process(server), *group], timeout=60)
+    assert not alive, f"outlived the SIGKILLed mtrl: {[p.cmdline()[:3] for p in alive]}"
+
+
+def _process_group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
 def test_a_stale_server_fails_the_iterations_audit(engine, tmp_path, prefect_server):
     """A server at vllm.url is updated in place (reload); vLLM's CPU build keeps its pre-packed
     weights through a reload, so iteration 1 samples from a stale engine: the audit stops it

@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -44,6 +43,7 @@ from schemas.config import GenerationConfig, RunConfig
 from schemas.features import FinishReason
 from stages.generate_rollouts.engine import ENGINES, Completion, Generation, Request, Sampling
 from stages.policy import eos_token_ids, pick_device
+from stages.processes import free_port, signal_when_parent_dies
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVED_MODEL_NAME = "policy"
@@ -85,12 +85,6 @@ def vllm_version(python: str | None, url: str | None) -> str:
 def logprobs_mode(generation: GenerationConfig) -> str:
     """The vLLM --logprobs-mode whose numbers are the stored convention (see the module docstring)."""
     return "processed_logprobs" if generation.top_k == 0 and generation.top_p == 1.0 else "raw_logprobs"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def served_checkpoint(model_dir: str | Path, runs_dir: str | Path) -> Path:
@@ -152,9 +146,16 @@ class VLLMServer:
             log.write(f"$ {' '.join(command)}\n".encode())
             log.flush()
             self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=environment, start_new_session=True
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=environment,
+                start_new_session=True,
+                # SIGTERM (it stops its engine and workers) if mtrl dies without stopping it; the
+                # flow's thread that opens the engine keeps it and lives as long as the process
+                preexec_fn=signal_when_parent_dies(),
             )
-        atexit.register(self.stop)  # never outlive mtrl (a SIGKILLed mtrl cannot run this: see the README)
+        atexit.register(self.stop)
         self.wait_until_healthy(settings.start_timeout_s)
 
     def wait_until_healthy(self, timeout_s: float) -> None:

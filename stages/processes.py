@@ -1,0 +1,45 @@
+"""Child processes that mtrl starts (a vLLM server, torchrun, Prefect's temporary server): a port
+for them, and a lifetime no longer than the thread that started them.
+
+Standard library only: pipeline/prefect_env.py imports it before anything heavy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a server that must be told its port (it could be
+    taken before the server binds it: prefer a server that binds port 0 itself)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def signal_when_parent_dies() -> Callable[[], None] | None:
+    """A preexec_fn that has the kernel send the child SIGTERM when the thread that started it
+    ends, however it ends (a SIGKILLed mtrl included), so no server or training job outlives
+    mtrl. The kernel watches the starting *thread*, not the process: start the child from a
+    thread that lives as long as the child should. Linux only (None elsewhere). Ray starts its
+    own processes this way."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    parent = os.getpid()
+
+    def preexec() -> None:
+        # only prctl and getppid between fork and exec: no lock another thread could hold
+        if prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:  # the parent died before prctl: the signal will never come
+            os._exit(1)
+
+    return preexec
