@@ -119,6 +119,13 @@ def validate_choices(config: RunConfig) -> None:
         )
     if config.runner.kind == "ray" and importlib.util.find_spec("prefect_ray") is None:
         raise UsageError("runner 'ray' needs the ray extra: pip install 'mtrl[ray]'")
+    if config.runner.kind == "ray" or config.ppo.nodes > 1:
+        from pipeline.runners import RunnerError, check_ray_address
+
+        try:
+            check_ray_address(config.runner.ray_address)
+        except RunnerError as exc:
+            raise UsageError(str(exc)) from None
     try:
         model_config = AutoConfig.from_pretrained(resolve_model_dir(config.model.path))
         check_context_budget(config.generation.max_context_tokens, model_config.max_position_embeddings)

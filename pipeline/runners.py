@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -57,6 +58,21 @@ def import_ray(purpose: str) -> Any:
     return ray
 
 
+def check_ray_address(address: str | None, timeout_s: float = 5.0) -> None:
+    """A cluster address where nothing answers is an error within seconds: ray.init would retry
+    for minutes and then exit the process, which Prefect can only report as a crash."""
+    if address in (None, "auto", "local"):  # found (or started) by Ray itself
+        return
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as exc:
+        raise RunnerError(
+            f"runner.ray_address {address!r}: no Ray cluster answers there ({exc}); start one with "
+            "`ray start --head` or fix the address"
+        ) from None
+
+
 @contextlib.contextmanager
 def ray_cluster(config: RunnerConfig, purpose: str) -> Iterator[Any]:
     """The ray module, connected: to the cluster at config.ray_address for the duration, or
@@ -65,6 +81,7 @@ def ray_cluster(config: RunnerConfig, purpose: str) -> Iterator[Any]:
     if ray.is_initialized():
         yield ray
         return
+    check_ray_address(config.ray_address)
     ray.init(address=config.ray_address, runtime_env={"env_vars": dict(RAY_ENVIRONMENT)}, log_to_driver=False)
     try:
         yield ray
@@ -102,6 +119,7 @@ def stage_runner(config: RunnerConfig) -> Iterator[Any | None]:
     if ray.is_initialized():  # e.g. rl-training's Ray, reused by each rl-iteration
         runner = RayTaskRunner()
     elif config.ray_address:  # the cluster's workers do not inherit this process's environment
+        check_ray_address(config.ray_address)
         workers_environment = {"env_vars": {"PREFECT_API_URL": api_url, **RAY_ENVIRONMENT}}
         runner = RayTaskRunner(address=config.ray_address, init_kwargs={"runtime_env": workers_environment})
     else:

@@ -26,6 +26,10 @@ from schemas.config import ConfigField, RunConfig, config_fields
             "max_context_tokens (8192) exceeds the longest context the model takes (4096 tokens)",
         ),
         (["--set", "generation.max_new_tokens=4096"], "max_new_tokens (4096) must be below max_context_tokens (4096)"),
+        (
+            ["--runner", "ray", "--set", "runner.ray_address=127.0.0.1:1"],
+            "runner.ray_address '127.0.0.1:1': no Ray cluster answers there",
+        ),
     ],
 )
 def test_bad_input_is_one_line_naming_the_choices_and_writes_nothing(tmp_path, capsys, flags, message):
