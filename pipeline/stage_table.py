@@ -107,14 +107,16 @@ def module_closure(entries: list[Path]) -> list[Path]:
 
 
 @functools.cache  # a process runs with one set of libraries; each lookup scans the installed packages
+def package_version(name: str) -> str | None:
+    """The installed version of a distribution, None if it is not installed."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def shaping_library_versions() -> dict[str, str]:
-    versions = {"python": platform.python_version()}
-    for name in SHAPING_LIBRARIES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = "absent"
-    return versions
+    return {"python": platform.python_version(), **{n: package_version(n) or "absent" for n in SHAPING_LIBRARIES}}
 
 
 def _device(config: RunConfig) -> str:

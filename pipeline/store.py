@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import hashlib
 import json
 import os
@@ -30,14 +29,13 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import datasets
 import xxhash
 
-from pipeline.stage_table import POLICY, STAGES
+from pipeline.stage_table import POLICY, STAGES, package_version
 from schemas.config import RunConfig, deep_merge
 from schemas.manifest import Manifest, StoreError
 
@@ -98,15 +96,11 @@ def copy_files(source: Path, target: Path, files: dict[str, Any]) -> None:
 _VERIFIED: set[tuple] = set()  # policy folders whose digests matched, by their files' (path, size, mtime)
 
 
-@functools.cache  # a process runs with one set of libraries; each lookup scans the installed packages
 def library_versions() -> dict[str, str]:
-    versions = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "datasets", "pyarrow", "numpy", "prefect", "mtrl"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return versions
+    """What a manifest records of the libraries that wrote it (those installed)."""
+    names = ("torch", "transformers", "datasets", "pyarrow", "numpy", "prefect", "mtrl")
+    installed = {name: package_version(name) for name in names}
+    return {"python": platform.python_version(), **{name: v for name, v in installed.items() if v is not None}}
 
 
 def _fsync_tree(folder: Path) -> None:

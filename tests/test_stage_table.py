@@ -95,15 +95,15 @@ def test_upgrading_a_library_that_shapes_the_bytes_gives_new_versions(monkeypatc
     from importlib import metadata
 
     from pipeline.flows import stage_version
-    from pipeline.stage_table import shaping_library_versions
+    from pipeline.stage_table import package_version
 
     config = RunConfig()
     before = {name: stage_version(config, name, {}, {}) for name in STAGES}
     real = metadata.version
     monkeypatch.setattr(metadata, "version", lambda name: "99.0" if name == "transformers" else real(name))
-    shaping_library_versions.cache_clear()  # a process looks its libraries up once: an upgrade is a new process
+    package_version.cache_clear()  # a process looks its libraries up once: an upgrade is a new process
     try:
         after = {name: stage_version(config, name, {}, {}) for name in STAGES}
     finally:
-        shaping_library_versions.cache_clear()
+        package_version.cache_clear()
     assert all(before[name] != after[name] for name in STAGES)
