@@ -9,16 +9,17 @@ into updates of a Prefect progress artifact.
 Every artifact is sent by one background thread, in the order the calls were made and in the
 caller's Prefect run context (so it lands on the same flow or task run): a stage never waits
 for the API's round trip (each one 5-30 ms, ~150 per default run). A flow waits for the
-artifacts it sent before it ends (`flush`). An artifact the API refuses is a warning in the
+artifacts it sent before it ends (`all_sent`). An artifact the API refuses is a warning in the
 run's log, never a failed stage: the store, not the UI, is the truth.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import contextvars
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 from uuid import UUID
@@ -59,6 +60,16 @@ def send(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
 def flush() -> None:
     """Wait until every artifact sent so far has reached the API (or failed, with its warning)."""
     _sender.submit(lambda: None).result()
+
+
+@contextlib.contextmanager
+def all_sent() -> Iterator[None]:
+    """For a flow's body: the artifacts sent inside reach the API before it ends, also when it
+    raises. They go through the flow run's client, which closes with the run."""
+    try:
+        yield
+    finally:
+        flush()
 
 
 def publish_stage(store: Store, stage: str, version: str) -> None:

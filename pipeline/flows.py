@@ -394,7 +394,7 @@ def rl_iteration(
     `plot`: draw the learning curve into the summary artifact (rl-training: at its last iteration)."""
     load_plugins(config.task.plugins)
     store = Store(config.store.runs_dir)
-    with store.lock(), stage_runner(config.runner) as runner:
+    with artifacts.all_sent(), store.lock(), stage_runner(config.runner) as runner:
         store.clean_stale_tmp()
         if policy_version is None:
             policy_version = store.latest_policy() or import_base_policy(store, config)
@@ -419,13 +419,15 @@ def rl_iteration(
         rewarded = run_stage(assign_rewards_task, config, {"execute-tools": previous}, runner=runner)
         advantaged = run_stage(compute_advantages_task, config, advantage_parents(config, store, rewarded))
         updated = run_stage(ppo_update_task, config, *update_parents(store, advantaged))
-    next_policy = store.manifest("ppo-update", updated).policy
-    metrics = store.manifest("assign-rewards", rewarded).metrics
-    get_run_logger().info(
-        "iteration %d: reward %.3f, success %.2f", iteration, metrics["reward_mean"] or 0, metrics["success_rate"] or 0
-    )
-    publish_summary(store, next_policy, plot=plot)
-    artifacts.flush()
+        next_policy = store.manifest("ppo-update", updated).policy
+        metrics = store.manifest("assign-rewards", rewarded).metrics
+        get_run_logger().info(
+            "iteration %d: reward %.3f, success %.2f",
+            iteration,
+            metrics["reward_mean"] or 0,
+            metrics["success_rate"] or 0,
+        )
+        publish_summary(store, next_policy, plot=plot)
     return {
         "iteration": iteration,
         "policy": policy_version,
@@ -472,12 +474,9 @@ def rerun_stage(config: RunConfig, stage: str, source: str) -> str:
     if rerunnable.get(stage) != source_stage:
         choices = ", ".join(f"{name} --from {source}/VERSION" for name, source in rerunnable.items())
         raise ValueError(f"`mtrl stage {stage}` cannot run on {source_stage}/VERSION; valid: {choices}")
-    with store.lock(), stage_runner(config.runner) as runner:
+    with artifacts.all_sent(), store.lock(), stage_runner(config.runner) as runner:
         if stage == "assign-rewards":
-            version = run_stage(assign_rewards_task, config, {"execute-tools": source_version}, runner=runner)
-        elif stage == "compute-advantages":
-            version = run_stage(compute_advantages_task, config, advantage_parents(config, store, source_version))
-        else:
-            version = run_stage(ppo_update_task, config, *update_parents(store, source_version))
-    artifacts.flush()
-    return version
+            return run_stage(assign_rewards_task, config, {"execute-tools": source_version}, runner=runner)
+        if stage == "compute-advantages":
+            return run_stage(compute_advantages_task, config, advantage_parents(config, store, source_version))
+        return run_stage(ppo_update_task, config, *update_parents(store, source_version))

@@ -362,3 +362,36 @@ def test_an_artifact_the_api_refuses_is_a_warning_in_the_log_not_a_failed_run():
         logging.getLogger("prefect.flow_runs").removeHandler(handler)
     messages = [record.getMessage() for record in warnings]
     assert len(messages) == 2 and all(m.startswith("Prefect artifact not sent: ValidationError") for m in messages)
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_the_artifacts_of_a_flow_that_fails_still_reach_the_api(tmp_path):
+    """Artifacts go through the flow run's client, which closes when the run ends: a flow that
+    raises must still wait for what it sent (before, the late ones failed with "the client has
+    been closed", and their warnings landed in whatever ran next)."""
+    import time
+
+    from prefect import flow
+    from prefect.artifacts import create_table_artifact
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from pipeline import artifacts
+
+    def slow_table() -> None:
+        time.sleep(0.5)  # still queued when the flow raises
+        create_table_artifact(key="failed-flow-table", table=[{"rows": 1}], description=str(tmp_path))
+
+    @flow(name="failing-publisher")
+    def fails_after_sending() -> None:
+        with artifacts.all_sent():
+            artifacts.send(slow_table)
+            raise RuntimeError("a stage failed")
+
+    with pytest.raises(RuntimeError, match="a stage failed"):
+        fails_after_sending()
+    with get_client(sync_client=True) as client:
+        tables = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["failed-flow-table"]))
+        )
+    assert [a.description for a in tables if a.description == str(tmp_path)] == [str(tmp_path)]
