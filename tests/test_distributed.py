@@ -250,7 +250,10 @@ def test_a_sigkilled_mtrl_takes_torchrun_and_its_ranks_along(two_iterations, tmp
         mtrl.kill()
         for pid in filter(running, job.pids()):  # a failed test leaves no training behind
             os.kill(pid, signal.SIGKILL)
-    assert store.clean_stale_tmp()  # the dead process's work folder, removed as any run would
+        # the dead process's work folder, removed as any run would; also after a failure, or the
+        # next test would find this job's rank pids in its logs and kill those instead of its own
+        removed = store.clean_stale_tmp()
+    assert removed
 
 
 @pytest.fixture(scope="module")
