@@ -122,7 +122,7 @@ def torchrun_command(
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "pipeline.torchrun",  # torch.distributed.run that never hangs at exit (see there)
         f"--nnodes={nnodes}",
         f"--nproc-per-node={nproc_per_node}",
         "--rdzv-backend=c10d",

@@ -266,6 +266,8 @@ def ray_nodes():
     from ray.cluster_utils import Cluster
 
     temp_dir = tempfile.mkdtemp(prefix="mtrl-ray-", dir="/tmp")  # Ray's socket paths must stay short
+    # the cluster writes its address to Ray's default folder (/tmp/ray), which it does not create
+    Path(ray._private.utils.get_ray_address_file(None)).parent.mkdir(parents=True, exist_ok=True)
     node = {"num_cpus": 1, "node_ip_address": "127.0.0.1"}
     cluster = Cluster(
         initialize_head=True, connect=False, head_node_args={**node, "include_dashboard": False, "temp_dir": temp_dir}
