@@ -3,7 +3,7 @@
     python bench/run_split.py [--out bench/results/run_split.json] [-- MTRL RUN FLAGS ...]
 
 Runs `mtrl run` (the defaults unless flags follow `--`) in a fresh runs directory, in a child
-process that is exactly the CLI (`pipeline.cli.main(["run", ...])`) with timers wrapped around
+process that is exactly the `mtrl` command (`pipeline.cli.entry()`) with timers wrapped around
 its phases, and splits the process's wall time, as the parent measures it, into:
 
 - process_start_s   interpreter start and the CLI's imports (torch, transformers, datasets)
@@ -150,12 +150,18 @@ def child(args: list[str], out: Path) -> None:
         report.write_report = timed_report  # command_run imports it when the flows are done
 
     prefect_env.start_api = start_api
-    status = cli.main(["run", *args])
-    marks["cli_done"] = time.time()
-    out.write_text(
-        json.dumps({"status": status, "marks": marks, "seconds": timers.seconds, "iterations": timers.iterations})
-    )
-    cli.exit_without_teardown(status)  # as the `mtrl` command exits
+    exit_without_teardown = cli.exit_without_teardown
+
+    def timed_exit(status: int) -> Any:
+        marks["cli_done"] = time.time()
+        out.write_text(
+            json.dumps({"status": status, "marks": marks, "seconds": timers.seconds, "iterations": timers.iterations})
+        )
+        return exit_without_teardown(status)
+
+    cli.exit_without_teardown = timed_exit
+    sys.argv = ["mtrl", "run", *args]
+    cli.entry()  # exactly the `mtrl` command
 
 
 # ---------------------------------------------------------------------------------------

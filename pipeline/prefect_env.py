@@ -99,6 +99,9 @@ def _start_server(
                 server.kill()
                 raise RuntimeError(f"the Prefect server did not start; see {home / 'server.log'}")
             time.sleep(0.1)
+        # The API's first request builds its routes (~0.4 s on 2 cores): made here, while the
+        # caller is still importing, instead of by the first flow run (Prefect's version check).
+        urllib.request.urlopen(f"{url}/admin/version", timeout=timeout_s).read()
     return server
 
 
@@ -198,13 +201,13 @@ def save_database_template(home: Path) -> None:
 def temporary_server_command(port: int) -> list[str]:
     """What Prefect runs as its temporary server (prefect.server.api.server.SubprocessASGIServer):
     the API app under uvicorn, marked ephemeral (no UI, only the services a temporary server
-    runs)."""
+    runs); uvicorn started by pipeline.prefect_api_server (its imports without collection)."""
     import importlib.util
 
     prefect_parent = Path(importlib.util.find_spec("prefect").origin).parent.parent  # no `import prefect` here
     return [
         "-m",
-        "uvicorn",
+        "pipeline.prefect_api_server",
         "--app-dir",
         str(prefect_parent),
         "--factory",

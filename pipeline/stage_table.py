@@ -52,17 +52,18 @@ class Stage:
     @functools.cached_property
     def code_files(self) -> list[Path]:
         """The project's source files its output depends on: its code and everything of the
-        project it imports, transitively (imports inside functions included). Parsed once per
-        process: every task run hashes its version twice (before it runs and in its manifest)."""
+        project it imports, transitively (imports inside functions included)."""
         entries = []
         for name in (*self.code, *SHARED_CODE):
             path = ROOT / name
             entries += sorted(path.glob("*.py")) if path.is_dir() else [path]
         return module_closure(entries)
 
-    @property
+    @functools.cached_property
     def code_version(self) -> str:
-        """A hash of code_files: editing any of them gives new versions."""
+        """A hash of code_files: editing any of them gives new versions. Hashed once per process
+        (at its first stage run, its code already imported): a file edited while a process runs
+        does not change the code that process runs. A hash reads ~20 files (~0.5 ms)."""
         return source_version(*self.code_files)
 
     def recorded_config(self, config: RunConfig) -> dict[str, Any]:
@@ -89,21 +90,28 @@ def module_closure(entries: list[Path]) -> list[Path]:
     todo = list(entries)
     while todo:
         path = todo.pop()
-        if path in seen:
-            continue
-        seen.add(path)
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
-            else:
-                continue
-            for name in names:
-                if name.split(".")[0] in PROJECT_PACKAGES:
-                    module = ROOT / name.replace(".", "/")
-                    todo += [f for f in (module / "__init__.py", module.with_suffix(".py")) if f.is_file()]
+        if path not in seen:
+            seen.add(path)
+            todo += project_imports(path)
     return sorted(seen)
+
+
+@functools.cache  # the stages share most of their files: each is parsed once per process
+def project_imports(path: Path) -> list[Path]:
+    """The project's source files that this one imports."""
+    imported = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] in PROJECT_PACKAGES:
+                module = ROOT / name.replace(".", "/")
+                imported += [f for f in (module / "__init__.py", module.with_suffix(".py")) if f.is_file()]
+    return imported
 
 
 @functools.cache  # a process runs with one set of libraries; each lookup scans the installed packages
