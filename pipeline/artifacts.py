@@ -7,19 +7,20 @@ callback, called with the share of their work done (0 to 1), which the functions
 into updates of a Prefect progress artifact.
 
 Every artifact is sent by one background thread, in the order the calls were made and in the
-caller's Prefect run context (so it lands on the same flow or task run): a stage never waits
-for the API's round trip (each one 5-30 ms, ~150 per default run). A flow waits for the
-artifacts it sent before it ends (`all_sent`). An artifact the API refuses is a warning in the
-run's log, never a failed stage: the store, not the UI, is the truth.
+caller's Prefect run context (so it lands on the same flow or task run), through the thread's
+own API client: neither a stage nor a flow waits for the API's round trips (each one 5-60 ms,
+~150 per default run). A run's client closes when the run ends; this one stays open until the
+process exits, and the thread sends what is queued before the exit hooks run (the temporary
+Prefect server stops in one). An artifact the API refuses is a warning in the run's log, never
+a failed stage: the store, not the UI, is the truth.
 """
 
 from __future__ import annotations
 
 import base64
-import contextlib
 import contextvars
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 from uuid import UUID
@@ -31,6 +32,8 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
+from prefect.context import SyncClientContext
+from prefect.settings import PREFECT_API_URL
 
 from pipeline.report import iterations, markdown_table, write_files
 from pipeline.store import Store
@@ -41,6 +44,7 @@ PPO_PROGRESS_KEY = "ppo-update-progress"
 UPDATE_INTERVAL_S = 1.0  # a callback fires per token or step; the API hears at most once a second
 
 _sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtrl-artifacts")  # one thread: calls keep their order
+_clients: dict[str, SyncClientContext] = {}  # the sender's own API clients, by API URL; open for the process
 
 
 def send(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
@@ -49,7 +53,7 @@ def send(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
 
     def run() -> Any:
         try:
-            return context.run(call, *args, **kwargs)
+            return context.run(_with_own_client, call, *args, **kwargs)
         except Exception as exc:
             context.run(get_run_logger).warning("Prefect artifact not sent: %s: %s", type(exc).__name__, exc)
             raise
@@ -57,19 +61,22 @@ def send(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
     return _sender.submit(run)
 
 
+def _with_own_client(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Make the call through the sender's client for the caller's API (Prefect's artifact calls
+    take the client of the current SyncClientContext); the run context is the caller's copy, so
+    nothing set here reaches the caller."""
+    url = PREFECT_API_URL.value()
+    if url not in _clients:
+        SyncClientContext.__var__.set(None)  # not the run's client: a new one
+        _clients[url] = SyncClientContext()
+        _clients[url].client.__enter__()
+    SyncClientContext.__var__.set(_clients[url])
+    return call(*args, **kwargs)
+
+
 def flush() -> None:
     """Wait until every artifact sent so far has reached the API (or failed, with its warning)."""
     _sender.submit(lambda: None).result()
-
-
-@contextlib.contextmanager
-def all_sent() -> Iterator[None]:
-    """For a flow's body: the artifacts sent inside reach the API before it ends, also when it
-    raises. They go through the flow run's client, which closes with the run."""
-    try:
-        yield
-    finally:
-        flush()
 
 
 def publish_stage(store: Store, stage: str, version: str) -> None:

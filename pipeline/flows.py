@@ -398,7 +398,7 @@ def rl_iteration(
     `plot`: draw the learning curve into the summary artifact (rl-training: at its last iteration)."""
     load_plugins(config.task.plugins)
     store = Store(config.store.runs_dir)
-    with artifacts.all_sent(), store.lock(), stage_runner(config.runner) as runner:
+    with store.lock(), stage_runner(config.runner) as runner:
         store.clean_stale_tmp()
         if policy_version is None:
             policy_version = store.latest_policy() or import_base_policy(store, config)
@@ -478,7 +478,7 @@ def rerun_stage(config: RunConfig, stage: str, source: str) -> str:
     if rerunnable.get(stage) != source_stage:
         choices = ", ".join(f"{name} --from {source}/VERSION" for name, source in rerunnable.items())
         raise ValueError(f"`mtrl stage {stage}` cannot run on {source_stage}/VERSION; valid: {choices}")
-    with artifacts.all_sent(), store.lock(), stage_runner(config.runner) as runner:
+    with store.lock(), stage_runner(config.runner) as runner:
         if stage == "assign-rewards":
             return run_stage(assign_rewards_task, config, {"execute-tools": source_version}, runner=runner)
         if stage == "compute-advantages":

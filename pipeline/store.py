@@ -244,20 +244,23 @@ class Store:
 
     def lineage(self, stage: str, version: str) -> list[Manifest]:
         """This version and all its ancestors, depth first (each manifest once)."""
+        return list(self.walk_lineage(stage, version))
+
+    def walk_lineage(self, stage: str, version: str) -> Iterator[Manifest]:
+        """lineage(), each manifest read when it is reached: a search for a near ancestor stops
+        there instead of reading the run's whole history (which grows by ~2 x turns + 5
+        versions per iteration). A stack, not recursion: a long run's chain is thousands deep."""
         seen: set[tuple[str, str]] = set()
-        chain: list[Manifest] = []
-
-        def visit(s: str, v: str) -> None:
-            if (s, v) in seen:
-                return
-            seen.add((s, v))
-            manifest = self.manifest(s, v)
-            chain.append(manifest)
-            for parent_stage, parent_version in manifest.parents.items():
-                visit(parent_stage.split("#")[0], parent_version)
-
-        visit(stage, version)
-        return chain
+        todo = [(stage, version)]
+        while todo:
+            node = todo.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            manifest = self.manifest(*node)
+            yield manifest
+            # the first parent is visited first, as a recursive walk would
+            todo += [(name.split("#")[0], parent) for name, parent in reversed(manifest.parents.items())]
 
     def turns_of(self, tools_version: str) -> list[str]:
         """The execute-tools versions of every turn of an iteration up to this one, oldest first
@@ -276,7 +279,7 @@ class Store:
 
     def ancestor(self, stage: str, version: str, of_stage: str) -> Manifest:
         """The nearest version of `of_stage` in a version's lineage (e.g. its rollouts')."""
-        found = next((m for m in self.lineage(stage, version) if m.stage == of_stage), None)
+        found = next((m for m in self.walk_lineage(stage, version) if m.stage == of_stage), None)
         if found is None:
             raise StoreError(f"{stage}/{version} has no {of_stage} in its lineage")
         return found

@@ -365,16 +365,19 @@ def test_an_artifact_the_api_refuses_is_a_warning_in_the_log_not_a_failed_run():
 
 
 @pytest.mark.usefixtures("prefect_server")
-def test_the_artifacts_of_a_flow_that_fails_still_reach_the_api(tmp_path):
-    """Artifacts go through the flow run's client, which closes when the run ends: a flow that
-    raises must still wait for what it sent (before, the late ones failed with "the client has
-    been closed", and their warnings landed in whatever ran next)."""
+def test_artifacts_sent_late_reach_the_api_on_the_run_they_came_from(tmp_path):
+    """Artifacts go out on a background thread through its own API client: one still queued
+    when its flow has ended, here a flow that raised, is sent on the flow run it came from
+    (through the run's own client, which closes with the run, it failed with "the client has
+    been closed", and its warning landed in whatever ran next)."""
+    import logging
     import time
 
     from prefect import flow
     from prefect.artifacts import create_table_artifact
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.context import get_run_context
 
     from pipeline import artifacts
 
@@ -382,16 +385,27 @@ def test_the_artifacts_of_a_flow_that_fails_still_reach_the_api(tmp_path):
         time.sleep(0.5)  # still queued when the flow raises
         create_table_artifact(key="failed-flow-table", table=[{"rows": 1}], description=str(tmp_path))
 
+    flow_runs = []
+
     @flow(name="failing-publisher")
     def fails_after_sending() -> None:
-        with artifacts.all_sent():
-            artifacts.send(slow_table)
-            raise RuntimeError("a stage failed")
+        flow_runs.append(get_run_context().flow_run.id)
+        artifacts.send(slow_table)
+        raise RuntimeError("a stage failed")
 
-    with pytest.raises(RuntimeError, match="a stage failed"):
-        fails_after_sending()
+    warnings: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = warnings.append
+    logging.getLogger("prefect").addHandler(handler)
+    try:
+        with pytest.raises(RuntimeError, match="a stage failed"):
+            fails_after_sending()
+        artifacts.flush()  # what the process does at its exit
+    finally:
+        logging.getLogger("prefect").removeHandler(handler)
+    assert not [r.getMessage() for r in warnings if "artifact" in r.getMessage()]
     with get_client(sync_client=True) as client:
         tables = client.read_artifacts(
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["failed-flow-table"]))
         )
-    assert [a.description for a in tables if a.description == str(tmp_path)] == [str(tmp_path)]
+    assert [a.flow_run_id for a in tables if a.description == str(tmp_path)] == flow_runs

@@ -159,6 +159,37 @@ def test_manifest_records_lineage_and_digests_detect_edits(tmp_path):
     assert any("differs from its digest" in problem for problem in store.verify("compute-advantages", "b1"))
 
 
+def test_lineage_of_a_chain_deeper_than_the_recursion_limit_and_an_ancestor_read_lazily(tmp_path):
+    """A long run's chain of versions is thousands deep (50 turns are 100 versions per
+    iteration): lineage() walks it without recursion, and ancestor() reads only the manifests
+    up to the one it looks for, not the whole history."""
+    store = Store(tmp_path)
+
+    def write(stage: str, version: str, parents: dict[str, str]) -> None:
+        store.write(stage, version, lambda folder: (folder / "x").write_text("x") and {}, {"parents": parents})
+
+    write("policy", "p0", {})
+    for turn in range(150):
+        previous = {"execute-tools": f"e{turn - 1}"} if turn else {}
+        write("generate-rollouts", f"g{turn}", {"policy": "p0", **previous})
+        write("execute-tools", f"e{turn}", {"generate-rollouts": f"g{turn}"})
+
+    # depth first, parents in their stored order (by stage name), each version once
+    expected = [version for turn in range(149, -1, -1) for version in (f"e{turn}", f"g{turn}")] + ["p0"]
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(250)  # below the chain's depth (300)
+    try:
+        assert [m.version for m in store.lineage("execute-tools", "e149")] == expected
+    finally:
+        sys.setrecursionlimit(limit)
+
+    read = []
+    manifest = store.manifest
+    store.manifest = lambda stage, version: read.append(version) or manifest(stage, version)
+    assert store.ancestor("execute-tools", "e149", "generate-rollouts").version == "g149"
+    assert read == ["e149", "g149"]
+
+
 def test_resolve_accepts_unique_prefixes_and_names_problems(tmp_path):
     store = Store(tmp_path)
     write_toy(store, "assign-rewards", "abc123", [1], {"parents": {}})
