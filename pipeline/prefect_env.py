@@ -77,10 +77,16 @@ def starting_alone(home: str | Path) -> Iterator[None]:
 
 
 def _start_server(
-    home: Path, command: list[str], port: int, timeout_s: float, environment: dict[str, str]
+    home: Path,
+    command: list[str],
+    port: int,
+    timeout_s: float,
+    environment: dict[str, str],
+    preexec_fn: Callable[[], None] | None = None,
 ) -> subprocess.Popen:
     """Start a Prefect API server process on 127.0.0.1:`port` (its output in home/server.log),
-    one start at a time per home, and wait until it answers."""
+    one start at a time per home, and wait until it answers. The server must stop when the
+    calling thread ends: `preexec_fn` (signal_when_parent_dies) or the command itself sees to it."""
     environment = {**environment, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     url = f"http://127.0.0.1:{port}/api"
     with starting_alone(home):
@@ -91,7 +97,7 @@ def _start_server(
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a Ctrl-C reaches mtrl, which stops the server after its last logs
-                preexec_fn=signal_when_parent_dies(),  # and a SIGKILLed mtrl takes it along
+                preexec_fn=preexec_fn,  # and a SIGKILLed mtrl takes it along
             )
         deadline = time.monotonic() + timeout_s
         while not _healthy(url):
@@ -121,7 +127,7 @@ def local_server(home: str | Path, timeout_s: float = 180) -> Iterator[str]:
     home, port = Path(home), free_port()
     command = ["-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"]
     environment = {name: value for name, value in os.environ.items() if name != "PREFECT_API_URL"}
-    server = _start_server(home, command, port, timeout_s, environment)
+    server = _start_server(home, command, port, timeout_s, environment, preexec_fn=signal_when_parent_dies())
     try:
         yield f"http://127.0.0.1:{port}/api"
     finally:
@@ -201,13 +207,14 @@ def save_database_template(home: Path) -> None:
 def temporary_server_command(port: int) -> list[str]:
     """What Prefect runs as its temporary server (prefect.server.api.server.SubprocessASGIServer):
     the API app under uvicorn, marked ephemeral (no UI, only the services a temporary server
-    runs); uvicorn started by pipeline.prefect_api_server (its imports without collection)."""
+    runs); uvicorn started by pipeline.prefect_api_server, which stops with the calling thread."""
     import importlib.util
 
     prefect_parent = Path(importlib.util.find_spec("prefect").origin).parent.parent  # no `import prefect` here
     return [
         "-m",
         "pipeline.prefect_api_server",
+        str(os.getpid()),
         "--app-dir",
         str(prefect_parent),
         "--factory",
@@ -266,7 +273,7 @@ def _start_api(runs_dir: str | Path, runner_kind: str) -> Callable[[], bool]:
             started["error"] = exc
         ready.set()
         # The kernel stops the server when the thread that started it ends (a SIGKILLed mtrl
-        # included: signal_when_parent_dies), so this thread lives until the process exits.
+        # included: the server calls die_with_parent), so this thread lives until the process exits.
         exiting.wait()
 
     starting = threading.Thread(target=start, name="prefect-api-start", daemon=True)

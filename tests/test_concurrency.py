@@ -110,6 +110,34 @@ def test_a_run_starts_its_prefect_server_only_while_no_other_is_starting_on_its_
     assert "Starting temporary server" in log.read_text() and "Traceback" not in log.read_text()
 
 
+START_WHILE_IMPORTING = """
+import os, sys
+forks = []
+os.register_at_fork(before=lambda: forks.append("before"), after_in_parent=lambda: forks.append("after"))
+from pipeline import prefect_env
+wait = prefect_env.start_api(sys.argv[1], "thread")
+wait()
+print(forks)
+"""
+
+
+def test_the_temporary_server_starts_without_pythons_fork_hooks(tmp_path):
+    """mtrl's main thread imports while another thread starts the server. A fork that runs
+    Python's at-fork hooks races with a first `import logging` (it registers a before/after
+    pair): the hook registered between the two ran only its half, and the run printed a
+    "cannot release un-acquired lock" traceback (seen once in three concurrent runs). The
+    server is started without them (no preexec_fn); it asks for its parent-death signal itself."""
+    done = subprocess.run(
+        [sys.executable, "-c", START_WHILE_IMPORTING, str(tmp_path / "runs")],
+        env=USER_ENVIRONMENT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"
+
+
 def test_a_sigkilled_run_takes_its_temporary_prefect_server_along(tmp_path):
     """The server mtrl starts for itself is stopped at exit; a SIGKILLed mtrl runs no exit hook,
     so the kernel sends the server SIGTERM when mtrl's thread that started it ends."""
