@@ -10,19 +10,20 @@ Every artifact is sent by one background thread, in the order the calls were mad
 caller's Prefect run context (so it lands on the same flow or task run), through the thread's
 own API client: neither a stage nor a flow waits for the API's round trips (each one 5-60 ms,
 ~150 per default run). A run's client closes when the run ends; this one stays open until the
-process exits, and the thread sends what is queued before the exit hooks run (the temporary
-Prefect server stops in one). An artifact the API refuses is a warning in the run's log, never
-a failed stage: the store, not the UI, is the truth.
+process exits. Only the outermost flow run of a process waits for what is still queued, as it
+ends (sent_before_exit). An artifact the API refuses is a warning in the run's log, never a
+failed stage: the store, not the UI, is the truth.
 """
 
 from __future__ import annotations
 
 import base64
 import contextvars
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 from uuid import UUID
 
 from prefect import get_run_logger
@@ -32,7 +33,7 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
-from prefect.context import SyncClientContext
+from prefect.context import FlowRunContext, SyncClientContext
 from prefect.settings import PREFECT_API_URL
 
 from pipeline.report import iterations, markdown_table, write_files
@@ -77,6 +78,30 @@ def _with_own_client(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
 def flush() -> None:
     """Wait until every artifact sent so far has reached the API (or failed, with its warning)."""
     _sender.submit(lambda: None).result()
+
+
+FlowFunction = TypeVar("FlowFunction", bound=Callable[..., Any])
+
+
+def sent_before_exit(flow_function: FlowFunction) -> FlowFunction:
+    """Decorates a flow's function (below @flow): when it ends, raising or not, as the outermost
+    flow run of its process (`mtrl run`, a deployment's flow run: the process may exit right
+    after), it waits for every artifact still queued. Left to the thread pool's exit hook, such
+    an artifact still reached the API, but Prefect's event for it did not: Prefect's events
+    worker had stopped by then and a new one cannot start during shutdown (a traceback, "can't
+    register atexit after shutdown", in the run's output). A subflow does not wait: its parent
+    does, once."""
+
+    @functools.wraps(flow_function)
+    def run_then_flush(*args: Any, **kwargs: Any) -> Any:
+        outermost = FlowRunContext.get().flow_run.parent_task_run_id is None
+        try:
+            return flow_function(*args, **kwargs)
+        finally:
+            if outermost:
+                flush()
+
+    return run_then_flush  # type: ignore[return-value]
 
 
 def publish_stage(store: Store, stage: str, version: str) -> None:

@@ -390,6 +390,7 @@ def ppo_update_task(
 
 
 @flow(name="rl-iteration")
+@artifacts.sent_before_exit
 def rl_iteration(
     config: RunConfig, iteration: int | None = None, policy_version: str | None = None, plot: bool = True
 ) -> dict[str, Any]:
@@ -447,6 +448,7 @@ def rl_iteration(
 
 
 @flow(name="rl-training")
+@artifacts.sent_before_exit
 def rl_training(config: RunConfig) -> list[dict[str, Any]]:
     """config.iterations RL iterations from the starting model, each one an rl-iteration run."""
     load_plugins(config.task.plugins)
@@ -468,6 +470,7 @@ def rl_training(config: RunConfig) -> list[dict[str, Any]]:
 
 
 @flow(name="rl-stage")
+@artifacts.sent_before_exit
 def rerun_stage(config: RunConfig, stage: str, source: str) -> str:
     """Re-run one stage on a stored input (e.g. re-score rewards, or A/B two estimators on the
     same rollouts); writes a new version beside the old one, or finds it already stored."""

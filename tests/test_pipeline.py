@@ -409,3 +409,61 @@ def test_artifacts_sent_late_reach_the_api_on_the_run_they_came_from(tmp_path):
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["failed-flow-table"]))
         )
     assert [a.flow_run_id for a in tables if a.description == str(tmp_path)] == flow_runs
+
+
+PROCESS_ENDING_AFTER_ITS_FLOW = """
+import json, sys, time
+from prefect import flow
+from prefect.artifacts import create_table_artifact
+from prefect.context import get_run_context
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+from pipeline import artifacts
+
+def slow_table():
+    time.sleep(1.0)  # still queued when both flows have ended
+    create_table_artifact(key="sent-before-exit", table=[{"rows": 1}], description=sys.argv[1])
+
+@flow(name="sending-subflow")
+@artifacts.sent_before_exit
+def subflow():
+    artifacts.send(slow_table)
+    return str(get_run_context().flow_run.id)
+
+@flow(name="outermost")
+@artifacts.sent_before_exit
+def outermost():
+    return subflow()
+
+with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):  # as mtrl: a flow's end joins no heartbeat
+    print(json.dumps(outermost()))
+"""
+
+
+def test_a_process_ending_after_its_flow_sends_its_artifacts_and_their_events(tmp_path, prefect_server_env):
+    """An artifact still queued when the outermost flow ends is sent before that flow returns:
+    left to the interpreter's exit, it reached the API but Prefect's event for it failed with
+    a traceback ("can't register atexit after shutdown"; seen in a fully cached `mtrl run`,
+    whose last summary was still queued). The subflow does not wait for it: the outermost does."""
+    import subprocess
+    import sys
+
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    script = tmp_path / "ends_after_its_flow.py"
+    script.write_text(PROCESS_ENDING_AFTER_ITS_FLOW)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        env=prefect_server_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "Error emitting event" not in done.stderr, done.stderr[-3000:]
+    subflow_run = json.loads(done.stdout.strip().splitlines()[-1])
+    with SyncPrefectClient(prefect_server_env["PREFECT_API_URL"]) as client:
+        tables = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["sent-before-exit"])))
+        [table] = [a for a in tables if a.description == str(tmp_path)]
+        assert str(table.flow_run_id) == subflow_run
+        assert client.read_flow_run(table.flow_run_id).end_time < table.created  # the subflow did not wait
