@@ -1,6 +1,10 @@
-"""Prefect's temporary API server, run as Prefect runs it (`python -m uvicorn` on
-prefect.server.api.server:create_app, with the same arguments after the first, which is the pid
-of the mtrl process that started it), except that:
+"""The Prefect API servers mtrl starts, run as Prefect runs them, under a few settings of mtrl's:
+
+    python -m pipeline.prefect_api_server PARENT_PID uvicorn ARGS...   (the temporary server)
+    python -m pipeline.prefect_api_server PARENT_PID prefect server start ARGS...   (--runner ray)
+
+The module after the parent's pid runs as `python -m MODULE ARGS...` would run it: uvicorn on
+prefect.server.api.server:create_app, as Prefect's own temporary server, or Prefect's CLI. Before:
 
 - it stops when the thread of mtrl that started it ends (stages.processes.die_with_parent),
   set here rather than between fork and exec: mtrl starts it while its main thread imports;
@@ -43,11 +47,12 @@ def begin_transactions_immediately() -> None:
 
 if __name__ == "__main__":
     die_with_parent(int(sys.argv.pop(1)))
+    module = sys.argv.pop(1)
     gc.disable()
     import prefect.server.api.server  # noqa: F401
 
     gc.freeze()  # what the imports made: left out of every later collection
     gc.enable()
     begin_transactions_immediately()
-    sys.argv[0] = "uvicorn"
-    runpy.run_module("uvicorn", run_name="__main__", alter_sys=True)
+    sys.argv[0] = module
+    runpy.run_module(module, run_name="__main__", alter_sys=True)

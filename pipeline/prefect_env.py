@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from stages.processes import free_port, signal_when_parent_dies
+from stages.processes import free_port
 
 
 def prefect_home(runs_dir: str | Path) -> Path:
@@ -76,17 +76,21 @@ def starting_alone(home: str | Path) -> Iterator[None]:
         yield
 
 
+# Prefect's servers, run by mtrl's launcher (pipeline/prefect_api_server.py: dies with the thread
+# that started it, imports without garbage collection, SQLite transactions that wait for the lock)
+SERVER_LAUNCHER = ["-m", "pipeline.prefect_api_server"]
+
+
 def _start_server(
     home: Path,
     command: list[str],
     port: int,
     timeout_s: float,
     environment: dict[str, str],
-    preexec_fn: Callable[[], None] | None = None,
 ) -> subprocess.Popen:
     """Start a Prefect API server process on 127.0.0.1:`port` (its output in home/server.log),
-    one start at a time per home, and wait until it answers. The server must stop when the
-    calling thread ends: `preexec_fn` (signal_when_parent_dies) or the command itself sees to it."""
+    one start at a time per home, and wait until it answers. `command` runs SERVER_LAUNCHER with
+    this process's pid: the server stops when the calling thread ends (a SIGKILLed mtrl too)."""
     environment = {**environment, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     url = f"http://127.0.0.1:{port}/api"
     with starting_alone(home):
@@ -97,7 +101,6 @@ def _start_server(
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a Ctrl-C reaches mtrl, which stops the server after its last logs
-                preexec_fn=preexec_fn,  # and a SIGKILLed mtrl takes it along
             )
         deadline = time.monotonic() + timeout_s
         while not _healthy(url):
@@ -122,12 +125,13 @@ def _stop_server(server: subprocess.Popen) -> None:
 @contextlib.contextmanager
 def local_server(home: str | Path, timeout_s: float = 180) -> Iterator[str]:
     """A real `prefect server start` on 127.0.0.1 (a free port) with its own PREFECT_HOME, for
-    processes that cannot share an ephemeral server (Ray workers, deployments). Yields the API
-    URL and stops the server on exit."""
+    processes that cannot share an ephemeral server (Ray workers, deployments), started by
+    SERVER_LAUNCHER. Yields the API URL and stops the server on exit."""
     home, port = Path(home), free_port()
-    command = ["-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui"]
+    command = [*SERVER_LAUNCHER, str(os.getpid()), "prefect", "server", "start", "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--no-ui"]
     environment = {name: value for name, value in os.environ.items() if name != "PREFECT_API_URL"}
-    server = _start_server(home, command, port, timeout_s, environment, preexec_fn=signal_when_parent_dies())
+    server = _start_server(home, command, port, timeout_s, environment)
     try:
         yield f"http://127.0.0.1:{port}/api"
     finally:
@@ -207,14 +211,14 @@ def save_database_template(home: Path) -> None:
 def temporary_server_command(port: int) -> list[str]:
     """What Prefect runs as its temporary server (prefect.server.api.server.SubprocessASGIServer):
     the API app under uvicorn, marked ephemeral (no UI, only the services a temporary server
-    runs); uvicorn started by pipeline.prefect_api_server, which stops with the calling thread."""
+    runs), started by SERVER_LAUNCHER."""
     import importlib.util
 
     prefect_parent = Path(importlib.util.find_spec("prefect").origin).parent.parent  # no `import prefect` here
     return [
-        "-m",
-        "pipeline.prefect_api_server",
+        *SERVER_LAUNCHER,
         str(os.getpid()),
+        "uvicorn",
         "--app-dir",
         str(prefect_parent),
         "--factory",

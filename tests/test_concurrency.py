@@ -162,8 +162,11 @@ import json, sys, threading
 import httpx
 from pipeline import prefect_env
 
-prefect_env.start_api(sys.argv[1], "thread")()
-url = prefect_env.os.environ["PREFECT_API_URL"]
+if sys.argv[1].startswith("http"):  # a server already started
+    url = sys.argv[1]
+else:  # the temporary server of a runs directory
+    prefect_env.start_api(sys.argv[1], "thread")()
+    url = prefect_env.os.environ["PREFECT_API_URL"]
 with httpx.Client(base_url=url) as client:
     flow = client.post("/flows/", json={"name": "writers"}).json()
     flow_run = client.post("/flow_runs/", json={"flow_id": flow["id"], "name": "writers"}).json()
@@ -188,16 +191,21 @@ print(json.dumps(statuses))
 """
 
 
-def test_the_temporary_server_takes_concurrent_writes_without_refusing_any(tmp_path):
+@pytest.mark.parametrize("server", ["temporary", "prefect server start"])
+def test_mtrls_prefect_servers_take_concurrent_writes_without_refusing_any(server, tmp_path, request):
     """Eight writers at once (task runs and artifacts, without the client's retries): Prefect's
     server as it comes answered about half of them 503 "database is locked" (SQLite refuses a
     deferred transaction's write at once when another connection wrote since it read), which
     Prefect's client retries after 2 s: in `mtrl run` an iteration stalled 1.8-2.5 s about one
-    run in three. mtrl's temporary server begins every transaction with the write lock."""
+    run in three. Both servers mtrl starts (its temporary one, and `prefect server start` for
+    Ray runs and deployments) begin every transaction with the write lock."""
     import json
 
+    target = str(tmp_path / "runs")
+    if server == "prefect server start":
+        target = request.getfixturevalue("prefect_server_env")["PREFECT_API_URL"]
     done = subprocess.run(
-        [sys.executable, "-c", CONCURRENT_WRITES, str(tmp_path / "runs")],
+        [sys.executable, "-c", CONCURRENT_WRITES, target],
         env=USER_ENVIRONMENT,
         capture_output=True,
         text=True,
