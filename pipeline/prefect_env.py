@@ -76,21 +76,19 @@ def starting_alone(home: str | Path) -> Iterator[None]:
         yield
 
 
-# Prefect's servers, run by mtrl's launcher (pipeline/prefect_api_server.py: dies with the thread
-# that started it, imports without garbage collection, SQLite transactions that wait for the lock)
-SERVER_LAUNCHER = ["-m", "pipeline.prefect_api_server"]
+def launched(*module_and_args: str) -> list[str]:
+    """The arguments of `python -m MODULE ARGS...` run by mtrl's server launcher
+    (pipeline/prefect_api_server.py: it dies with the thread of this process that starts it,
+    imports without garbage collection, and its SQLite transactions wait for the lock)."""
+    return ["-m", "pipeline.prefect_api_server", str(os.getpid()), *module_and_args]
 
 
 def _start_server(
-    home: Path,
-    command: list[str],
-    port: int,
-    timeout_s: float,
-    environment: dict[str, str],
+    home: Path, command: list[str], port: int, timeout_s: float, environment: dict[str, str]
 ) -> subprocess.Popen:
     """Start a Prefect API server process on 127.0.0.1:`port` (its output in home/server.log),
-    one start at a time per home, and wait until it answers. `command` runs SERVER_LAUNCHER with
-    this process's pid: the server stops when the calling thread ends (a SIGKILLed mtrl too)."""
+    one start at a time per home, and wait until it answers. `command` is `launched`: the server
+    stops when the calling thread ends (a SIGKILLed mtrl too)."""
     environment = {**environment, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     url = f"http://127.0.0.1:{port}/api"
     with starting_alone(home):
@@ -125,11 +123,10 @@ def _stop_server(server: subprocess.Popen) -> None:
 @contextlib.contextmanager
 def local_server(home: str | Path, timeout_s: float = 180) -> Iterator[str]:
     """A real `prefect server start` on 127.0.0.1 (a free port) with its own PREFECT_HOME, for
-    processes that cannot share an ephemeral server (Ray workers, deployments), started by
-    SERVER_LAUNCHER. Yields the API URL and stops the server on exit."""
+    processes that cannot share an ephemeral server (Ray workers, deployments), `launched`.
+    Yields the API URL and stops the server on exit."""
     home, port = Path(home), free_port()
-    command = [*SERVER_LAUNCHER, str(os.getpid()), "prefect", "server", "start", "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--no-ui"]
+    command = launched("prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui")
     environment = {name: value for name, value in os.environ.items() if name != "PREFECT_API_URL"}
     server = _start_server(home, command, port, timeout_s, environment)
     try:
@@ -211,13 +208,11 @@ def save_database_template(home: Path) -> None:
 def temporary_server_command(port: int) -> list[str]:
     """What Prefect runs as its temporary server (prefect.server.api.server.SubprocessASGIServer):
     the API app under uvicorn, marked ephemeral (no UI, only the services a temporary server
-    runs), started by SERVER_LAUNCHER."""
+    runs), `launched`."""
     import importlib.util
 
     prefect_parent = Path(importlib.util.find_spec("prefect").origin).parent.parent  # no `import prefect` here
-    return [
-        *SERVER_LAUNCHER,
-        str(os.getpid()),
+    return launched(
         "uvicorn",
         "--app-dir",
         str(prefect_parent),
@@ -231,7 +226,7 @@ def temporary_server_command(port: int) -> list[str]:
         "error",
         "--lifespan",
         "on",
-    ]
+    )
 
 
 def start_api(runs_dir: str | Path, runner_kind: str) -> Callable[[], bool]:

@@ -158,7 +158,7 @@ def test_a_sigkilled_run_takes_its_temporary_prefect_server_along(tmp_path):
 
 
 CONCURRENT_WRITES = """
-import json, sys, threading
+import json, os, sys, threading
 import httpx
 from pipeline import prefect_env
 
@@ -166,7 +166,7 @@ if sys.argv[1].startswith("http"):  # a server already started
     url = sys.argv[1]
 else:  # the temporary server of a runs directory
     prefect_env.start_api(sys.argv[1], "thread")()
-    url = prefect_env.os.environ["PREFECT_API_URL"]
+    url = os.environ["PREFECT_API_URL"]
 with httpx.Client(base_url=url) as client:
     flow = client.post("/flows/", json={"name": "writers"}).json()
     flow_run = client.post("/flow_runs/", json={"flow_id": flow["id"], "name": "writers"}).json()
@@ -197,8 +197,8 @@ def test_mtrls_prefect_servers_take_concurrent_writes_without_refusing_any(serve
     server as it comes answered about half of them 503 "database is locked" (SQLite refuses a
     deferred transaction's write at once when another connection wrote since it read), which
     Prefect's client retries after 2 s: in `mtrl run` an iteration stalled 1.8-2.5 s about one
-    run in three. Both servers mtrl starts (its temporary one, and `prefect server start` for
-    Ray runs and deployments) begin every transaction with the write lock."""
+    run in three. Both servers mtrl starts (its temporary one, and the `prefect server start` of
+    Ray runs, which the tests' deployments also use) begin every transaction with the write lock."""
     import json
 
     target = str(tmp_path / "runs")

@@ -400,7 +400,7 @@ def test_artifacts_sent_late_reach_the_api_on_the_run_they_came_from(tmp_path):
     try:
         with pytest.raises(RuntimeError, match="a stage failed"):
             fails_after_sending()
-        artifacts.flush()  # what the process does at its exit
+        artifacts.flush()  # what sent_before_exit does as an outermost flow ends
     finally:
         logging.getLogger("prefect").removeHandler(handler)
     assert not [r.getMessage() for r in warnings if "artifact" in r.getMessage()]
