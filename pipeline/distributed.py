@@ -58,7 +58,7 @@ from typing import Any
 
 from pipeline import ppo_worker
 from schemas.config import RunConfig
-from stages.processes import signal_when_parent_dies
+from stages.processes import dies_with_this_thread
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository the workers must import, as this process does
 LAST_LINES = 30  # of each torchrun's own output and of each rank's, kept to quote in a failure
@@ -147,15 +147,9 @@ def torchrun_output(command: list[str]) -> Iterator[str | int]:
         "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": LINE_PREFIX_TEMPLATE,
     }
     yield " ".join(command)
+    # the thread that starts torchrun reads its output until it exits: it never ends first
     job = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        # the thread that starts torchrun reads its output until it exits: it never ends first
-        preexec_fn=signal_when_parent_dies(),
+        dies_with_this_thread(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT
     )
     try:
         for line in job.stdout:

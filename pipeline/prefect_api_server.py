@@ -1,13 +1,11 @@
 """The Prefect API servers mtrl starts, run as Prefect runs them, under a few settings of mtrl's:
 
-    python -m pipeline.prefect_api_server PARENT_PID uvicorn ARGS...   (the temporary server)
-    python -m pipeline.prefect_api_server PARENT_PID prefect server start ARGS...   (--runner ray)
+    python -m pipeline.prefect_api_server uvicorn ARGS...   (the temporary server)
+    python -m pipeline.prefect_api_server prefect server start ARGS...   (--runner ray)
 
-The module after the parent's pid runs as `python -m MODULE ARGS...` would run it: uvicorn on
+The module named first runs as `python -m MODULE ARGS...` would run it: uvicorn on
 prefect.server.api.server:create_app, as Prefect's own temporary server, or Prefect's CLI. Before:
 
-- it stops when the thread of mtrl that started it ends (stages.processes.die_with_parent),
-  set here rather than between fork and exec: mtrl starts it while its main thread imports;
 - the server's modules are imported with the garbage collector off: they make a few hundred
   thousand objects that live as long as the server, and collecting while they are made finds
   nothing. Measured on 2 cores: the server answers its first API request in 3.6 s instead of
@@ -20,8 +18,6 @@ import gc
 import runpy
 import sys
 from typing import Any
-
-from stages.processes import die_with_parent
 
 
 def begin_transactions_immediately() -> None:
@@ -46,7 +42,6 @@ def begin_transactions_immediately() -> None:
 
 
 if __name__ == "__main__":
-    die_with_parent(int(sys.argv.pop(1)))
     module = sys.argv.pop(1)
     gc.disable()
     import prefect.server.api.server  # noqa: F401

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from stages.processes import free_port
+from stages.processes import dies_with_this_thread, free_port
 
 
 def prefect_home(runs_dir: str | Path) -> Path:
@@ -77,24 +77,23 @@ def starting_alone(home: str | Path) -> Iterator[None]:
 
 
 def launched(*module_and_args: str) -> list[str]:
-    """The arguments of `python -m MODULE ARGS...` run by mtrl's server launcher
-    (pipeline/prefect_api_server.py: it dies with the thread of this process that starts it,
-    imports without garbage collection, and its SQLite transactions wait for the lock)."""
-    return ["-m", "pipeline.prefect_api_server", str(os.getpid()), *module_and_args]
+    """`python -m MODULE ARGS...` as mtrl's server launcher runs it (pipeline/prefect_api_server.py:
+    it imports without garbage collection, and its SQLite transactions wait for the lock)."""
+    return [sys.executable, "-m", "pipeline.prefect_api_server", *module_and_args]
 
 
 def _start_server(
     home: Path, command: list[str], port: int, timeout_s: float, environment: dict[str, str]
 ) -> subprocess.Popen:
     """Start a Prefect API server process on 127.0.0.1:`port` (its output in home/server.log),
-    one start at a time per home, and wait until it answers. `command` is `launched`: the server
-    stops when the calling thread ends (a SIGKILLed mtrl too)."""
+    one start at a time per home, and wait until it answers. `command` is `launched`; the server
+    stops when the calling thread ends (a SIGKILLed mtrl too: dies_with_this_thread)."""
     environment = {**environment, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     url = f"http://127.0.0.1:{port}/api"
     with starting_alone(home):
         with open(home / "server.log", "ab") as log:
             server = subprocess.Popen(
-                [sys.executable, *command],
+                dies_with_this_thread(command),
                 env=environment,
                 stdout=log,
                 stderr=subprocess.STDOUT,

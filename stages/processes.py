@@ -1,17 +1,21 @@
-"""Child processes that mtrl starts (a vLLM server, torchrun, Prefect's temporary server): a port
-for them, and a lifetime no longer than the thread that started them.
+"""Child processes that mtrl starts (a vLLM server, torchrun, its Prefect servers): a port for
+them, and a lifetime no longer than the thread that started them.
 
-Standard library only: pipeline/prefect_env.py imports it before anything heavy.
+    python stages/processes.py PARENT_PID MODULE ARGS...   (what dies_with_this_thread runs)
+
+Standard library only: pipeline/prefect_env.py imports it before anything heavy, and other
+Pythons (a vLLM environment) run it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import runpy
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -24,33 +28,37 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def signal_when_parent_dies() -> Callable[[], None] | None:
-    """A preexec_fn that has the kernel send the child SIGTERM when the thread that started it
-    ends, however it ends (a SIGKILLed mtrl included), so no server or training job outlives
-    mtrl. The kernel watches the starting *thread*, not the process: start the child from a
-    thread that lives as long as the child should. Linux only (None elsewhere). Ray starts its
-    own processes this way.
+def dies_with_this_thread(command: list[str]) -> list[str]:
+    """`command`, a `PYTHON -m MODULE ARGS...`, run through this file: the child first asks the
+    kernel for SIGTERM when the thread that starts it ends, however it ends (a SIGKILLed mtrl
+    included), then runs MODULE as `-m` would. So no server or training job outlives mtrl. The
+    kernel watches the starting *thread*, not the process: start the child from a thread that
+    lives as long as the child should. Ray starts its own processes the same way.
 
-    A preexec_fn makes Python fork with its at-fork hooks, which race with another thread's
-    first import of a module that registers such hooks (logging: "cannot release un-acquired
-    lock"). A child started while other threads import calls die_with_parent itself instead."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
-    parent = os.getpid()
-    # only prctl and getppid between fork and exec: no lock another thread could hold
-    return lambda: _signal_when_parent_dies(prctl, parent)
+    The child asks itself, after it starts, rather than in a preexec_fn between fork and exec: a
+    preexec_fn makes Python fork with its at-fork hooks, which race with another thread's first
+    import of a module that registers such hooks (logging: "cannot release un-acquired lock"),
+    and mtrl starts children while other threads import and send. This file is run by path, so
+    any Python can run it (a vLLM server's own environment has no mtrl): standard library only."""
+    python, flag, module, *arguments = command
+    if flag != "-m":
+        raise ValueError(f"expected PYTHON -m MODULE ARGS..., got {command[:3]}")
+    return [python, str(Path(__file__).resolve()), str(os.getpid()), module, *arguments]
 
 
 def die_with_parent(parent: int) -> None:
-    """signal_when_parent_dies, called by the child itself (first thing after it starts):
-    `parent` is the pid of the process that started it."""
-    if sys.platform.startswith("linux"):
-        _signal_when_parent_dies(ctypes.CDLL(None, use_errno=True).prctl, parent)
-
-
-def _signal_when_parent_dies(prctl: Callable[..., int], parent: int) -> None:
-    if prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+    """SIGTERM when the thread of `parent` that started this process ends (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent:  # the parent died before prctl: the signal will never come
         os._exit(1)
+
+
+if __name__ == "__main__":
+    die_with_parent(int(sys.argv[1]))
+    module = sys.argv[2]
+    del sys.argv[1:3]
+    sys.path[0] = os.getcwd()  # as under `python -m MODULE`: not this file's folder
+    runpy.run_module(module, run_name="__main__", alter_sys=True)

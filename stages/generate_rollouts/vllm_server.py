@@ -43,7 +43,7 @@ from schemas.config import GenerationConfig, RunConfig
 from schemas.features import FinishReason
 from stages.generate_rollouts.engine import ENGINES, Completion, Generation, Request, Sampling
 from stages.policy import eos_token_ids, pick_device
-from stages.processes import free_port, signal_when_parent_dies
+from stages.processes import dies_with_this_thread, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVED_MODEL_NAME = "policy"
@@ -145,15 +145,14 @@ class VLLMServer:
         with open(log_path, "ab") as log:
             log.write(f"$ {' '.join(command)}\n".encode())
             log.flush()
+            # SIGTERM (it stops its engine and workers) if mtrl dies without stopping it; the
+            # flow's thread that opens the engine keeps it and lives as long as the process
             self.process = subprocess.Popen(
-                command,
+                dies_with_this_thread(command),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=environment,
                 start_new_session=True,
-                # SIGTERM (it stops its engine and workers) if mtrl dies without stopping it; the
-                # flow's thread that opens the engine keeps it and lives as long as the process
-                preexec_fn=signal_when_parent_dies(),
             )
         atexit.register(self.stop)
         self.wait_until_healthy(settings.start_timeout_s)
