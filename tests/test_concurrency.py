@@ -110,6 +110,19 @@ def test_a_run_starts_its_prefect_server_only_while_no_other_is_starting_on_its_
     assert "Starting temporary server" in log.read_text() and "Traceback" not in log.read_text()
 
 
+def run_script(script: str, *arguments: str, timeout: float) -> str:
+    """Run `python -c SCRIPT ARGUMENTS...` in a user's environment; its output (it must succeed)."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, *arguments],
+        env=USER_ENVIRONMENT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 START_WHILE_IMPORTING = """
 import os, sys
 forks = []
@@ -127,15 +140,7 @@ def test_the_temporary_server_starts_without_pythons_fork_hooks(tmp_path):
     pair): the hook registered between the two ran only its half, and the run printed a
     "cannot release un-acquired lock" traceback (seen once in three concurrent runs). The
     server is started without them (no preexec_fn); it asks for its parent-death signal itself."""
-    done = subprocess.run(
-        [sys.executable, "-c", START_WHILE_IMPORTING, str(tmp_path / "runs")],
-        env=USER_ENVIRONMENT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == "[]"
+    assert run_script(START_WHILE_IMPORTING, str(tmp_path / "runs"), timeout=120).strip() == "[]"
 
 
 def test_a_sigkilled_run_takes_its_temporary_prefect_server_along(tmp_path):
@@ -204,13 +209,5 @@ def test_mtrls_prefect_servers_take_concurrent_writes_without_refusing_any(serve
     target = str(tmp_path / "runs")
     if server == "prefect server start":
         target = request.getfixturevalue("prefect_server_env")["PREFECT_API_URL"]
-    done = subprocess.run(
-        [sys.executable, "-c", CONCURRENT_WRITES, target],
-        env=USER_ENVIRONMENT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    statuses = json.loads(done.stdout.strip().splitlines()[-1])
+    statuses = json.loads(run_script(CONCURRENT_WRITES, target, timeout=180).strip().splitlines()[-1])
     assert len(statuses) == 160 and set(statuses) == {201}, sorted(set(statuses))
