@@ -49,5 +49,4 @@ if __name__ == "__main__":
     gc.freeze()  # what the imports made: left out of every later collection
     gc.enable()
     begin_transactions_immediately()
-    sys.argv[0] = module
     runpy.run_module(module, run_name="__main__", alter_sys=True)
