@@ -10,7 +10,7 @@ export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test test-fast lint clean
 
 setup: $(VENV)/.installed $(VLLM_VENV)/.installed
 
@@ -35,9 +35,15 @@ $(VLLM_VENV)/.installed:
 demo: setup
 	$(BIN)/mtrl run --runs-dir runs/demo
 
+# Everything, the slow tests too (real Prefect servers, Ray, vLLM, torchrun, learning curves): what CI runs.
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+# The inner loop: the tests not marked slow.
+test-fast: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

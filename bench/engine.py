@@ -4,7 +4,7 @@ the ppo-update stage at several B x S shapes.
 
     python bench/engine.py --model tiny --device cpu --out bench/results/engine_cpu.json
     python bench/engine.py --model qwen3-0.6b --device cuda --new-tokens 256 \\
-        --ppo-shapes 4x2048,1x8192 --out bench/results/engine_gpu.json   # random weights, no download
+        --ppo-shapes 4x2048,1x8192 --out engine_gpu.json   # random weights, no download
 
 Sections of the JSON:
 - generation: R rollouts x T turns x N new tokens (EOS disabled so every row makes N tokens),
@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-from pipeline.memory import current_rss_bytes
+from runtime.memory import current_rss_bytes
 from schemas.config import PPOConfig
 from schemas.features import COMPUTE_ADVANTAGES, dataset_from_rows
 from stages.generate_rollouts.engine import Request, Sampling

@@ -63,6 +63,7 @@ def evaluate(runs_dir: Path, policy: str | None) -> dict:
 
 def training_run(runs_dir: Path, *flags: str) -> dict:
     """One `mtrl run`: its learning curve (from the manifests), wall time and ppo-update memory."""
+    from pipeline.lineage import latest_policy
     from pipeline.report import iterations
     from pipeline.store import Store
 
@@ -81,7 +82,7 @@ def training_run(runs_dir: Path, *flags: str) -> dict:
         "ppo_update_peak_rss_mb": max(m.extra("memory")["peak_rss_mb"] for m in updates),
         "ppo_update_rss_before_mb": max(m.extra("memory")["rss_before_mb"] for m in updates),
         "ppo_update_wall_s": round(sum(m.wall_s for m in updates), 1),
-        "final_policy": store.latest_policy(),
+        "final_policy": latest_policy(store),
     }
 
 

@@ -1,6 +1,6 @@
 """ppo-update on one process and on two (ppo.world_size = 2, FSDP2 under torchrun): speed and
-peak memory per rank, through the stage's own launcher (pipeline.distributed.train_with_torchrun,
-the worker pipeline.ppo_worker), so both world sizes run the same code path.
+peak memory per rank, through the stage's own launcher (stages.ppo_update.launch.train_with_torchrun,
+the worker stages.ppo_update.worker), so both world sizes run the same code path.
 
     python bench/ppo_distributed.py --out bench/results/ppo_distributed_cpu.json
 
@@ -10,7 +10,7 @@ rank's memory, trained on synthetic one-turn rollouts (bench/engine.py's synthet
 Reported per world size: completion tokens optimised per second of train_policy (load,
 old-logprob recompute, update, gathering the result; not the processes' start-up), the
 torch threads of each rank (torchrun gives each of several processes one thread), and each
-rank's peak RSS (pipeline.memory; on CUDA also the allocator's peak) twice: up to the last
+rank's peak RSS (runtime.memory; on CUDA also the allocator's peak) twice: up to the last
 optimiser step (update_peak_rss_mb) and in all (peak_rss_mb), which on rank 0 includes
 gathering the whole checkpoint and AdamW state to write them; *_above_start_mb subtract the
 RSS when train_policy began (the interpreter and its libraries).
@@ -32,10 +32,10 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/engine.py, beside this file
 from engine import synthetic_turns  # noqa: E402
 
-from pipeline.distributed import train_with_torchrun  # noqa: E402
 from pipeline.models import EMBEDDED_POLICY  # noqa: E402
 from schemas.config import RunConfig  # noqa: E402
 from stages.policy import load_tokenizer  # noqa: E402
+from stages.ppo_update.launch import train_with_torchrun  # noqa: E402
 
 
 def random_policy(directory: Path, hidden: int, layers: int) -> int:

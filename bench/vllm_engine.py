@@ -11,7 +11,7 @@ each turn appended to the rollout's stream, as multi-turn rollouts grow. Workloa
   turn's time over the first's (does a turn slow down as the context grows?);
 - engine start: hf = loading the model; vllm = starting the server until it is healthy.
 Both also report max |logprob - HF fp32 recompute| on the first workload. With --learning,
-also `mtrl run --engine E --set ppo.audit_rescore_fraction=1.0` (the calculator demo, 10
+also `mtrl run --engine E --set audit.rescore_fraction=1.0` (the calculator demo, 10
 iterations of 64 rollouts; the audit then re-scores every stored logprob of every iteration
 under its generating policy): success per iteration, wall time, the audit's largest difference. vLLM's CPU build uses
 its defaults: one core for the model worker, one kept for the server and engine processes; the
@@ -129,7 +129,7 @@ def learning_run(engine: str, runs_dir: Path) -> dict:
     from pipeline.store import Store
 
     command = [sys.executable, "-m", "pipeline.cli", "run", "--engine", engine, "--runs-dir", str(runs_dir)]
-    command += ["--set", "ppo.audit_rescore_fraction=1.0"]
+    command += ["--set", "audit.rescore_fraction=1.0"]
     started = time.perf_counter()
     subprocess.run(command, check=True, capture_output=True)
     wall_s = time.perf_counter() - started

@@ -33,11 +33,13 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
-from prefect.context import FlowRunContext, SyncClientContext
+from prefect.context import FlowRunContext
 from prefect.settings import PREFECT_API_URL
 
+from pipeline.prefect_patches import call_with_own_client
 from pipeline.report import iterations, markdown_table, write_files
 from pipeline.store import Store
+from runtime.phases import PHASES
 
 SUMMARY_KEY = "rl-iteration-summary"
 GENERATION_PROGRESS_KEY = "generate-rollouts-progress"
@@ -45,7 +47,6 @@ PPO_PROGRESS_KEY = "ppo-update-progress"
 UPDATE_INTERVAL_S = 1.0  # a callback fires per token or step; the API hears at most once a second
 
 _sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtrl-artifacts")  # one thread: calls keep their order
-_clients: dict[str, SyncClientContext] = {}  # the sender's own API clients, by API URL; open for the process
 
 
 def send(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
@@ -54,7 +55,7 @@ def send(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
 
     def run() -> Any:
         try:
-            return context.run(_with_own_client, call, *args, **kwargs)
+            return context.run(call_with_own_client, PREFECT_API_URL.value(), call, *args, **kwargs)
         except Exception as exc:
             context.run(get_run_logger).warning("Prefect artifact not sent: %s: %s", type(exc).__name__, exc)
             raise
@@ -62,19 +63,7 @@ def send(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
     return _sender.submit(run)
 
 
-def _with_own_client(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Make the call through the sender's client for the caller's API (Prefect's artifact calls
-    take the client of the current SyncClientContext); the run context is the caller's copy, so
-    nothing set here reaches the caller."""
-    url = PREFECT_API_URL.value()
-    if url not in _clients:
-        SyncClientContext.__var__.set(None)  # not the run's client: a new one
-        _clients[url] = SyncClientContext()
-        _clients[url].client.__enter__()
-    SyncClientContext.__var__.set(_clients[url])
-    return call(*args, **kwargs)
-
-
+@PHASES.timed("artifacts")
 def flush() -> None:
     """Wait until every artifact sent so far has reached the API (or failed, with its warning)."""
     _sender.submit(lambda: None).result()
@@ -104,6 +93,7 @@ def sent_before_exit(flow_function: FlowFunction) -> FlowFunction:
     return run_then_flush  # type: ignore[return-value]
 
 
+@PHASES.timed("artifacts")
 def publish_stage(store: Store, stage: str, version: str) -> None:
     """A Prefect table artifact per stage version: rows, tokens, wall time and its metrics."""
     manifest = store.manifest(stage, version)
@@ -114,6 +104,7 @@ def publish_stage(store: Store, stage: str, version: str) -> None:
     send(create_table_artifact, key=stage, table=[table], description=f"{stage}/{version} in {store.root}")
 
 
+@PHASES.timed("artifacts")
 def publish_summary(store: Store, policy_version: str, plot: bool) -> None:
     """The learning curve so far as one markdown artifact: with `plot`, the plot embedded as a
     data URL (both Prefect UIs render `data:image/...` sources in markdown, while an image
@@ -180,6 +171,7 @@ class Progress:
         self.update(100.0, description)
 
 
+@PHASES.timed("artifacts")
 def generation_progress(iteration: int, turn_limit: int) -> Progress:
     """One bar for all of an iteration's turns, attached to the flow run: someone watching a
     long multi-turn run wants to know how many turns are done, and how far the current one is."""

@@ -32,14 +32,15 @@ from typing import Any
 import datasets
 import numpy as np
 
+from pipeline.lineage import generating_policy, load_turns
 from pipeline.stage_table import POLICY
 from pipeline.store import Store
 from schemas.config import RunConfig
 from schemas.features import GENERATE_ROLLOUTS, dataset_from_rows
 from schemas.token_stream import Rollout, generation_prompt_ids, prompt_token_ids, rollouts
-from stages import execute_tools
 from stages.environments import ENVIRONMENTS
 from stages.policy import load_model, load_tokenizer, score_rollouts
+from stages.tools import TOOLS, tool_schema
 
 # The rescore runs in float32, so logprobs generated in a lower precision differ from it by
 # rounding. Measured on the embedded policy (2 iterations x 32 rollouts, every rollout
@@ -124,7 +125,7 @@ def audit(
             if row["turn"] == 0:
                 environment = ENVIRONMENTS.get(row["task"])
                 if environment is not None:
-                    tools = [execute_tools.tool_schema(execute_tools.TOOLS[t]) for t in environment.tools]
+                    tools = [tool_schema(TOOLS[t]) for t in environment.tools]
                     messages = environment.reset(json.loads(row["task_payload"]))
                     expected = prompt_token_ids(tokenizer, messages, tools, enable_thinking)
                     report.add(
@@ -241,7 +242,7 @@ def turns_with_history(store: Store, stage: str, version: str) -> datasets.Datas
     previous = version if stage == "execute-tools" else store.manifest(stage, version).parents.get("execute-tools")
     if stage not in ("generate-rollouts", "execute-tools") or previous is None:
         return turns
-    history = store.load_turns(previous)
+    history = load_turns(store, previous)
     if stage == "generate-rollouts":
         columns = [*GENERATE_ROLLOUTS, "observation", "observation_token_ids"]
         history = history.select_columns(columns)
@@ -256,17 +257,17 @@ def audit_before_training(
 ) -> AuditReport:
     """The gate in front of ppo-update: audit compute-advantages/`version` (its rows `turns`)
     with the run's settings; a dataset that fails raises AuditError and is never trained on."""
-    policy_dir = store.policy_dir(store.generating_policy("compute-advantages", version))
+    policy_dir = store.policy_dir(generating_policy(store, "compute-advantages", version))
     report = audit(
         turns,
         store,
         load_tokenizer(str(policy_dir)),
         enable_thinking=config.generation.enable_thinking,
-        rescore_fraction=config.ppo.audit_rescore_fraction,
-        rescore_tolerance=rescore_tolerance(config.ppo.audit_tolerance, config.model.dtype),
+        rescore_fraction=config.audit.rescore_fraction,
+        rescore_tolerance=rescore_tolerance(config.audit.tolerance, config.model.dtype),
         temperature=config.generation.temperature,
         seed=seed,
-        max_failed_fraction=config.ppo.max_failed_fraction,
+        max_failed_fraction=config.audit.max_failed_fraction,
     )
     if not report.ok:
         raise AuditError(f"compute-advantages/{version} fails the audit: " + "; ".join(report.problems))

@@ -10,27 +10,31 @@ mtrl config [SECTION]            every config field: its --set name, type, defau
 from __future__ import annotations
 
 import argparse
-import atexit
-import gc
 import importlib.util
 import json
 import os
 import shutil
 import sys
-import textwrap
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
-from schemas.config import ConfigField, RunConfig, config_fields, deep_merge
-from schemas.manifest import StoreError
+from runtime import interpreter
+from runtime.phases import PHASES
+from schemas.config import RunConfig, deep_merge
+from schemas.manifest import MissingVersionError, StoreError
 
-# torch, transformers, datasets and Prefect are imported by the commands that use them: `mtrl
-# run` starts the Prefect API first, so that its start overlaps those imports (pipeline.prefect_env).
+PHASES.mark("cli_imported")
+
+# Every command has two parts: the handler parses its config, imports what it needs and checks
+# its inputs, then returns its work, which main() runs. The handlers import torch, transformers,
+# datasets and Prefect themselves (`mtrl ls` needs none of them), and main() runs them as one
+# block of imports (runtime/interpreter.py: untracked_imports). `mtrl run` starts the Prefect
+# API before its imports, so that the server's start overlaps them (pipeline/prefect_servers.py).
+Work = Callable[[], None]
 
 RUN_FLAGS = {  # flag -> (config field, type, help)
     "--iterations": ("iterations", int, "RL iterations"),
@@ -45,6 +49,7 @@ RUN_FLAGS = {  # flag -> (config field, type, help)
     "--runner": ("runner.kind", str, "where tools run: thread or ray"),
     "--runs-dir": ("store.runs_dir", str, "root of the versioned store"),
 }
+EVAL_ITERATION = 10**6  # `mtrl eval` samples its tasks as this iteration: never one that trains
 
 
 class UsageError(Exception):
@@ -89,18 +94,16 @@ def validate_choices(config: RunConfig) -> None:
     from transformers import AutoConfig
 
     from pipeline.models import resolve_model_dir
-    from pipeline.task_mix import load_plugins
+    from runtime.ray import RayError, check_ray_address
     from stages.compute_advantages import ESTIMATORS
     from stages.generate_rollouts import ENGINES, check_context_budget
     from stages.policy import ModelError
+    from stages.tasks import check_environments, load_plugins
 
     try:
         load_plugins(config.task.plugins)
     except ImportError as exc:
         raise UsageError(f"task.plugins: cannot import {exc.name!r}: {exc}") from None
-
-    from pipeline.task_mix import check_environments
-
     try:
         check_environments(config)
     except ValueError as exc:
@@ -121,11 +124,9 @@ def validate_choices(config: RunConfig) -> None:
     if config.runner.kind == "ray" and importlib.util.find_spec("prefect_ray") is None:
         raise UsageError("runner 'ray' needs the ray extra: pip install 'mtrl[ray]'")
     if config.runner.kind == "ray" or config.ppo.nodes > 1:
-        from pipeline.runners import RunnerError, check_ray_address
-
         try:
             check_ray_address(config.runner.ray_address)
-        except RunnerError as exc:
+        except RayError as exc:
             raise UsageError(str(exc)) from None
     try:
         model_config = AutoConfig.from_pretrained(resolve_model_dir(config.model.path))
@@ -134,163 +135,201 @@ def validate_choices(config: RunConfig) -> None:
         raise UsageError(str(exc)) from None
 
 
-def command_run(args: argparse.Namespace) -> None:
+# ---------------------------------------------------------------------------------------
+# Commands: each returns its work (see Work above)
+# ---------------------------------------------------------------------------------------
+
+
+def command_run(args: argparse.Namespace) -> Work:
     config = build_config(args)
-    from pipeline import prefect_env
+    from pipeline import prefect_servers, prefect_settings
 
     # The Prefect API starts in the background while the checks below run (a bad config
     # stops it again at exit); it is waited for before the first flow run.
-    api_ready = prefect_env.start_api(config.store.runs_dir, config.runner.kind)
+    api_ready = prefect_servers.start_api(config.store.runs_dir, config.runner.kind)
     validate_choices(config)
+    from pipeline.flows import rl_training
     from pipeline.models import resolve_model_dir
+    from pipeline.report import write_report
+    from pipeline.store import Store
+    from runtime.ray import RayError
     from stages.policy import ModelError, load_tokenizer
 
     try:
         load_tokenizer(resolve_model_dir(config.model.path))
     except ModelError as exc:
         raise UsageError(str(exc)) from None
-    from pipeline.flows import rl_training
-    from pipeline.runners import RunnerError
+    PHASES.mark("checks_done")
 
-    own_api = api_ready()
-    imports_done()
+    def run() -> None:
+        own_api = api_ready()
+        PHASES.mark("api_ready")
+        started = time.time()
+        try:
+            with prefect_settings.flow_heartbeats(enabled=not own_api):  # no one reads them on our own server
+                results = rl_training(config)
+        except RayError as exc:
+            raise UsageError(str(exc)) from None
+        wall = time.time() - started
+        PHASES.mark("flows_done")
+        store = Store(config.store.runs_dir)
+        curve, png = write_report(store, policy_version=results[-1]["next_policy"])
+        PHASES.mark("report_done")
+        log = write_run_log(store, results)
+        print(f"\n{curve}\n\nlearning curve: {png}")
+        last = results[-1]
+        print(f"\n{len(results)} iteration(s) in {wall:.1f} s (timings: {log}). Datasets of the last iteration:")
+        for stage, versions in last["versions"].items():
+            if isinstance(versions, list):  # one version per turn
+                print(f"  {stage:<19} {len(versions)} turn(s), last: {store.path(stage, versions[-1])}")
+            else:
+                print(f"  {stage:<19} {store.path(stage, versions)}")
+        print(f"  {'policy':<19} {store.policy_dir(last['next_policy'])}")
+        print("Load any of them with:  import datasets; datasets.load_from_disk('<path above>')")
 
-    started = time.time()
-    try:
-        with prefect_env.flow_heartbeats(enabled=not own_api):  # no one reads them on our own server
-            results = rl_training(config)
-    except RunnerError as exc:
-        raise UsageError(str(exc)) from None
-    wall = time.time() - started
-    from pipeline.report import write_report
-    from pipeline.store import Store
-
-    store = Store(config.store.runs_dir)
-    curve, png = write_report(store, policy_version=results[-1]["next_policy"])
-    print(f"\n{curve}\n\nlearning curve: {png}")
-    last = results[-1]
-    print(f"\n{len(results)} iteration(s) in {wall:.1f} s. Datasets of the last iteration:")
-    for stage, versions in last["versions"].items():
-        if isinstance(versions, list):  # one version per turn
-            print(f"  {stage:<19} {len(versions)} turn(s), last: {store.path(stage, versions[-1])}")
-        else:
-            print(f"  {stage:<19} {store.path(stage, versions)}")
-    print(f"  {'policy':<19} {store.policy_dir(last['next_policy'])}")
-    print("Load any of them with:  import datasets; datasets.load_from_disk('<path above>')")
+    return run
 
 
-def command_stage(args: argparse.Namespace) -> None:
+def write_run_log(store: Any, results: list[dict[str, Any]]) -> Path:
+    """RUNS_DIR/logs/run-<time>-<pid>.json: the command, the versions it made and where its time
+    went (runtime/phases.py; the stages' own time is each manifest's wall_s). bench/orchestration.py
+    reads it."""
+    from pipeline.report import replace_file
+
+    folder = store.root / "logs"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"run-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.json"
+    record = {"argv": sys.argv, "iterations": results, "phases": PHASES.as_dict()}
+    replace_file(path, (json.dumps(record, indent=2, default=str) + "\n").encode())
+    return path
+
+
+def command_stage(args: argparse.Namespace) -> Work:
     """Re-run one stage: the config recorded in the input's lineage, then --config, flags, --set."""
+    from pipeline.lineage import lineage_config
     from pipeline.store import Store
 
     store = Store(args.runs_dir)
     source_stage, source_version = store.resolve(args.source)
     recorded = RunConfig.model_validate(
-        {**store.lineage_config(source_stage, source_version), "store": {"runs_dir": str(args.runs_dir)}}
+        {**lineage_config(store, source_stage, source_version), "store": {"runs_dir": str(args.runs_dir)}}
     )
     config = build_config(args, base=recorded)
     validate_choices(config)
-    from pipeline import prefect_env
+    from pipeline import prefect_servers
 
-    prefect_env.configure_api(config.store.runs_dir, config.runner.kind)
+    api_ready = prefect_servers.start_api(config.store.runs_dir, config.runner.kind)
     from pipeline.flows import rerun_stage
 
-    imports_done()
+    def run() -> None:
+        api_ready()
+        try:
+            version = rerun_stage(config, args.name, f"{source_stage}/{source_version}")
+        except ValueError as exc:  # RayError included
+            raise UsageError(str(exc)) from None
+        path = store.path(args.name, version)
+        print(f"{args.name}/{version}\n  {path}\nLoad it with:  datasets.load_from_disk('{path}')")
 
-    try:
-        version = rerun_stage(config, args.name, f"{source_stage}/{source_version}")
-    except ValueError as exc:  # RunnerError included
-        raise UsageError(str(exc)) from None
-    path = store.path(args.name, version)
-    print(f"{args.name}/{version}\n  {path}\nLoad it with:  datasets.load_from_disk('{path}')")
+    return run
 
 
-def command_serve(args: argparse.Namespace) -> None:
+def command_serve(args: argparse.Namespace) -> Work:
     """Serve rl-iteration as deployment rl-iteration/local: each run trains the next iteration."""
     config = build_config(args)
     validate_choices(config)
-    from pipeline import prefect_env
+    from pipeline import prefect_settings
 
-    prefect_env.configure(config.store.runs_dir)
+    prefect_settings.configure(config.store.runs_dir)
     from pipeline.flows import rl_iteration
 
-    imports_done()
     schedule = {"interval": args.interval} if args.interval else {"cron": args.cron} if args.cron else {}
-    print(f"serving rl-iteration/local on {config.store.runs_dir} ({schedule or 'no schedule: trigger runs'})")
-    rl_iteration.serve(name="local", parameters={"config": config.model_dump(mode="json")}, limit=1, **schedule)
+
+    def run() -> None:
+        print(f"serving rl-iteration/local on {config.store.runs_dir} ({schedule or 'no schedule: trigger runs'})")
+        rl_iteration.serve(name="local", parameters={"config": config.model_dump(mode="json")}, limit=1, **schedule)
+
+    return run
 
 
-def command_eval(args: argparse.Namespace) -> None:
+def command_eval(args: argparse.Namespace) -> Work:
     """Roll out a policy on fixed evaluation tasks (nothing is stored) and print its metrics."""
-    from pipeline.store import Store
-
     config = build_config(args)
     validate_choices(config)
     from pipeline.evaluate import run_episodes
     from pipeline.models import resolve_model_dir
-    from pipeline.task_mix import task_turn_limits
+    from pipeline.store import Store
     from stages.assign_rewards import rollout_metrics
     from stages.generate_rollouts.engine import open_engine
     from stages.policy import load_tokenizer
+    from stages.tasks import task_turn_limits
 
-    imports_done()
-    store = Store(config.store.runs_dir)
-    model_dir = (
-        store.policy_dir(store.resolve(f"policy/{args.policy}")[1])
-        if args.policy
-        else resolve_model_dir(config.model.path)
-    )
-    tokenizer = load_tokenizer(model_dir)
-    engine = open_engine(model_dir, tokenizer, config)
-    try:  # evaluation tasks come from their own seed, never the training iterations'
-        turns = run_episodes(engine, tokenizer, config, iteration=EVAL_ITERATION)
-    finally:
-        engine.close()
-    print(json.dumps({"policy": str(model_dir), **rollout_metrics(turns, task_turn_limits(config))}, indent=2))
+    def run() -> None:
+        store = Store(config.store.runs_dir)
+        model_dir = (
+            store.policy_dir(store.resolve(f"policy/{args.policy}")[1])
+            if args.policy
+            else resolve_model_dir(config.model.path)
+        )
+        tokenizer = load_tokenizer(model_dir)
+        engine = open_engine(model_dir, tokenizer, config)
+        try:  # evaluation tasks come from their own seed, never the training iterations'
+            turns = run_episodes(engine, tokenizer, config, iteration=EVAL_ITERATION)
+        finally:
+            engine.close()
+        print(json.dumps({"policy": str(model_dir), **rollout_metrics(turns, task_turn_limits(config))}, indent=2))
+
+    return run
 
 
-EVAL_ITERATION = 10**6
-
-
-def command_report(args: argparse.Namespace) -> None:
+def command_report(args: argparse.Namespace) -> Work:
     from pipeline.report import write_report
     from pipeline.store import Store
 
-    curve, png = write_report(Store(args.runs_dir), args.out, args.policy)
-    print(f"{curve}\n\nlearning curve: {png}")
+    def run() -> None:
+        curve, png = write_report(Store(args.runs_dir), args.out, args.policy)
+        print(f"{curve}\n\nlearning curve: {png}")
+
+    return run
 
 
-def command_ls(args: argparse.Namespace) -> None:
+def command_ls(args: argparse.Namespace) -> Work:
     from pipeline.store import Store
 
-    store = Store(args.runs_dir)
-    manifests = store.versions()
-    if not manifests:
-        print(f"no versions in {store.root}")
-        return
-    print(f"{'stage':<19} {'version':<17} {'iter':>4} {'turn':>4} {'rows':>6}  created")
-    for m in manifests:
-        iteration, turn, rows = ("" if value is None else value for value in (m.iteration, m.turn, m.rows))
-        print(f"{m.stage:<19} {m.version:<17} {iteration:>4} {turn:>4} {rows:>6}  {m.created_at[:19]}")
+    def run() -> None:
+        store = Store(args.runs_dir)
+        manifests = store.versions()
+        if not manifests:
+            print(f"no versions in {store.root}")
+            return
+        print(f"{'stage':<19} {'version':<17} {'iter':>4} {'turn':>4} {'rows':>6}  created")
+        for m in manifests:
+            iteration, turn, rows = ("" if value is None else value for value in (m.iteration, m.turn, m.rows))
+            print(f"{m.stage:<19} {m.version:<17} {iteration:>4} {turn:>4} {rows:>6}  {m.created_at[:19]}")
+
+    return run
 
 
-def command_show(args: argparse.Namespace) -> None:
+def command_show(args: argparse.Namespace) -> Work:
     from pipeline.store import Store
 
-    store = Store(args.runs_dir)
-    stage, version = store.resolve(args.reference)
-    manifest = store.manifest(stage, version)
-    shown = manifest.model_dump(mode="json", exclude={"files", "source_files"}, exclude_none=True)
-    print(json.dumps(shown, indent=2, sort_keys=True))
-    problems = store.verify(stage, version)
-    print(f"\nfiles: {len(manifest.files)}, " + ("verified" if not problems else "; ".join(problems)))
-    print(f"path: {store.path(stage, version)}")
-    if stage != "policy":
-        print(f"load: datasets.load_from_disk('{store.path(stage, version)}')")
+    def run() -> None:
+        store = Store(args.runs_dir)
+        stage, version = store.resolve(args.reference)
+        manifest = store.manifest(stage, version)
+        shown = manifest.model_dump(mode="json", exclude={"files", "source_files"}, exclude_none=True)
+        print(json.dumps(shown, indent=2, sort_keys=True))
+        problems = store.verify(stage, version)
+        print(f"\nfiles: {len(manifest.files)}, " + ("verified" if not problems else "; ".join(problems)))
+        print(f"path: {store.path(stage, version)}")
+        if stage != "policy":
+            print(f"load: datasets.load_from_disk('{store.path(stage, version)}')")
+
+    return run
 
 
-def command_audit(args: argparse.Namespace) -> None:
+def command_audit(args: argparse.Namespace) -> Work:
     from pipeline.audit import audit, rescore_tolerance, turns_with_history
+    from pipeline.lineage import lineage_config
     from pipeline.stage_table import STAGES
     from pipeline.store import Store
     from stages.policy import load_tokenizer
@@ -300,106 +339,74 @@ def command_audit(args: argparse.Namespace) -> None:
     turn_stages = [name for name, table in STAGES.items() if "completion_token_ids" in table.features]
     if stage not in turn_stages:
         raise UsageError(f"audit checks a dataset of turns: {', '.join(turn_stages)}")
-    problems = store.verify(stage, version)
-    if problems:
-        raise UsageError(f"{stage}/{version} files do not match the manifest: {'; '.join(problems)}")
-    turns = turns_with_history(store, stage, version)  # a later turn is checked after the earlier ones
-    recorded = RunConfig.model_validate(store.lineage_config(stage, version))
-    generation = recorded.generation
-    tokenizer = load_tokenizer(str(store.policy_dir(turns[0]["policy_version"])))
-    report = audit(
-        turns,
-        store,
-        tokenizer,
-        enable_thinking=generation.enable_thinking,
-        rescore_fraction=args.rescore_fraction,
-        rescore_tolerance=rescore_tolerance(args.tolerance, recorded.model.dtype),
-        temperature=generation.temperature,
-    )
-    print(json.dumps(report.as_dict(), indent=2))
-    if not report.ok:
-        raise UsageError(f"{stage}/{version} fails the audit: {report.problems[0]}")
+
+    def run() -> None:
+        problems = store.verify(stage, version)
+        if problems:
+            raise UsageError(f"{stage}/{version} files do not match the manifest: {'; '.join(problems)}")
+        turns = turns_with_history(store, stage, version)  # a later turn is checked after the earlier ones
+        recorded = RunConfig.model_validate(lineage_config(store, stage, version))
+        generation = recorded.generation
+        tokenizer = load_tokenizer(str(store.policy_dir(turns[0]["policy_version"])))
+        report = audit(
+            turns,
+            store,
+            tokenizer,
+            enable_thinking=generation.enable_thinking,
+            rescore_fraction=args.rescore_fraction,
+            rescore_tolerance=rescore_tolerance(args.tolerance, recorded.model.dtype),
+            temperature=generation.temperature,
+        )
+        print(json.dumps(report.as_dict(), indent=2))
+        if not report.ok:
+            raise UsageError(f"{stage}/{version} fails the audit: {report.problems[0]}")
+
+    return run
 
 
-def command_lineage(args: argparse.Namespace) -> None:
+def command_lineage(args: argparse.Namespace) -> Work:
     from pipeline.store import Store
 
-    store = Store(args.runs_dir)
-    stage, version = store.resolve(args.reference)
-    for manifest in store.lineage(stage, version):
-        where = ", ".join(
-            f"{k}={getattr(manifest, k)}" for k in ("iteration", "turn") if getattr(manifest, k) is not None
-        )
-        print(f"{manifest.stage}/{manifest.version}  {where}")
+    def run() -> None:
+        store = Store(args.runs_dir)
+        stage, version = store.resolve(args.reference)
+        for manifest in store.lineage(stage, version):
+            where = ", ".join(
+                f"{k}={getattr(manifest, k)}" for k in ("iteration", "turn") if getattr(manifest, k) is not None
+            )
+            print(f"{manifest.stage}/{manifest.version}  {where}")
+
+    return run
 
 
-CONFIG_DOCS_INTRO = """# Configuration
+def command_config(args: argparse.Namespace) -> Work:
+    from pipeline.config_docs import config_fields, config_markdown, config_table
 
-Every field of the run configuration (`schemas/config.py`). Set a field in the YAML file given to `--config`
-(under its section) or with `--set NAME=VALUE`, which reads VALUE as JSON, else as a string: `--set ppo.clip_high=0.3`,
-`--set ppo.clip_ratio_c=null`, `--set task.name=guess-number`. The section `run` holds the top-level fields
-(`--set seed=1`). A range [a, b] includes its bounds, (a, b) excludes them.
-This file is generated: `mtrl config --format markdown > docs/config.md`."""
+    def run() -> None:
+        fields = [f for f in config_fields() if args.section in (None, f.section)]
+        if args.format == "markdown":
+            print(config_markdown(fields))
+        else:
+            print(config_table(fields, width=min(shutil.get_terminal_size().columns, 100)))
 
-
-def _by_section(fields: list[ConfigField]) -> dict[str, list[ConfigField]]:
-    """The fields grouped by section, sections in the order the config declares them."""
-    sections: dict[str, list[ConfigField]] = {}
-    for field in fields:
-        sections.setdefault(field.section, []).append(field)
-    return sections
+    return run
 
 
-def config_table(fields: list[ConfigField], width: int) -> str:
-    """Plain text for a terminal: per section, a line of name, type, default and range, then the description."""
-    header = ("NAME", "TYPE", "DEFAULT", "RANGE")
-    rows = [header, *((f.name, f.type, f.default, f.range) for f in fields)]
-    widths = [max(len(cells[i]) for cells in rows) for i in range(3)]  # the last column, range, is not padded
-
-    def line(cells: tuple[str, ...]) -> str:
-        padded = [cell.ljust(column_width) for cell, column_width in zip(cells, widths)]
-        return "  " + "  ".join([*padded, cells[-1]]).rstrip()
-
-    lines = [line(header)]
-    for section, members in _by_section(fields).items():
-        lines += ["", section]
-        for field in members:
-            lines.append(line((field.name, field.type, field.default, field.range)))
-            lines += textwrap.wrap(field.description, width, initial_indent=" " * 6, subsequent_indent=" " * 6)
-    return "\n".join(lines)
-
-
-def config_markdown(fields: list[ConfigField]) -> str:
-    """docs/config.md: the intro, then a table per section."""
-
-    def cell(text: str) -> str:  # a "|" would end the cell; "<think>" would be read as an HTML tag
-        return text.replace("|", "\\|").replace("<", "&lt;")
-
-    lines = [CONFIG_DOCS_INTRO]
-    for section, members in _by_section(fields).items():
-        lines += ["", f"## {section}", "", "| name | type | default | range | description |", "|---|---|---|---|---|"]
-        lines += [
-            f"| `{f.name}` | {cell(f.type)} | `{f.default}` | {cell(f.range)} | {cell(f.description)} |"
-            for f in members
-        ]
-    return "\n".join(lines)
-
-
-def command_config(args: argparse.Namespace) -> None:
-    fields = [f for f in config_fields() if args.section in (None, f.section)]
-    if args.format == "markdown":
-        print(config_markdown(fields))
-    else:
-        print(config_table(fields, width=min(shutil.get_terminal_size().columns, 100)))
-
-
-def command_diff(args: argparse.Namespace) -> None:
+def command_diff(args: argparse.Namespace) -> Work:
     from pipeline.compare import compare_runs
 
-    lines, different = compare_runs(args.left, args.right)
-    print("\n".join(lines))
-    if different:
-        raise UsageError(f"{different} stored item(s) differ between {args.left} and {args.right}")
+    def run() -> None:
+        lines, different = compare_runs(args.left, args.right)
+        print("\n".join(lines))
+        if different:
+            raise UsageError(f"{different} stored item(s) differ between {args.left} and {args.right}")
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------
+# The command line
+# ---------------------------------------------------------------------------------------
 
 
 class RerunnableStages:
@@ -482,57 +489,43 @@ def parser() -> argparse.ArgumentParser:
     ls.add_argument("--runs-dir", type=Path, default=Path("runs"))
     ls.set_defaults(handler=command_ls)
     config = commands.add_parser("config", help="every config field: its --set name, type, default, range, meaning")
-    sections = list(dict.fromkeys(field.section for field in config_fields()))
+    sections = [
+        "run",
+        *(name for name, field in RunConfig.model_fields.items() if hasattr(field.annotation, "model_fields")),
+    ]
     config.add_argument("section", nargs="?", choices=sections, help="show this section only")
     config.add_argument("--format", choices=["table", "markdown"], default="table", help="markdown: docs/config.md")
     config.set_defaults(handler=command_config)
     return root
 
 
-def main(argv: list[str] | None = None) -> int:
+def error_message(exc: Exception) -> str:
+    """One line for the user; a missing trained policy says how to rebuild it."""
+    if isinstance(exc, MissingVersionError):
+        from pipeline.lineage import rebuild_hint
+        from pipeline.store import Store
+
+        return f"{exc}{rebuild_hint(Store(exc.root), exc.stage, exc.version)}"
+    return str(exc)
+
+
+def main(argv: list[str] | None = None, as_command: bool = False) -> int:
+    """Run one command. `as_command`: this process is the `mtrl` command (entry), so its imports
+    run untracked by the cycle collector; a test calling main() keeps its collector as it is."""
     args = parser().parse_args(argv)
     try:
-        args.handler(args)
+        with interpreter.untracked_imports(enabled=as_command):
+            work = args.handler(args)
+        work()
     except (UsageError, StoreError) as exc:
-        print(f"mtrl: error: {exc}", file=sys.stderr)
+        print(f"mtrl: error: {error_message(exc)}", file=sys.stderr)
         return 2
     return 0
 
 
 def entry() -> NoReturn:
-    """The `mtrl` command: main() with the garbage collector off until its imports are done
-    (imports_done), then exit_without_teardown."""
-    gc.disable()
-    exit_without_teardown(main())
-
-
-def imports_done() -> None:
-    """A command's imports are done. `mtrl` runs them with the garbage collector off (entry):
-    they make ~340k objects that live as long as the process, and collecting while they are
-    made walked all of them six times and found nothing (~0.45 s of a default run on 2 cores).
-    From here it collects again, with those objects frozen out of its walks (gc.freeze): a
-    full collection then takes ~0.05-0.1 s instead of ~0.2 s. Where the collector was on (a
-    test calling main), nothing changes."""
-    if not gc.isenabled():
-        gc.freeze()
-        gc.enable()
-
-
-def exit_without_teardown(status: int) -> NoReturn:
-    """Exit as the interpreter does, minus its teardown: after a run that loaded torch,
-    transformers, datasets and Prefect, freeing every module and object one by one took ~1.3 s
-    (2 cores) and wrote nothing. What an exit must do still happens, in the interpreter's order:
-    wait for the threads that are not daemons, run the exit hooks (Prefect sends its last logs,
-    the temporary Prefect server stops, temporary files go, logging flushes), flush stdout and
-    stderr. Files the store writes are closed and fsynced before they are renamed into place.
-    The two calls are CPython's own at exit (Py_FinalizeEx), in its order: threading's exit
-    hooks (thread pools stop their workers; Prefect's exit hooks wait on them) and the joins,
-    then the atexit hooks; neither runs twice."""
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    """The `mtrl` command: main(), then an exit without the interpreter's teardown."""
+    interpreter.exit_without_teardown(main(as_command=True))
 
 
 if __name__ == "__main__":

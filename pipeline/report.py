@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pipeline.lineage import latest_policy, turns_of
 from pipeline.stage_table import POLICY
 from pipeline.store import Store, StoreError
 
@@ -35,7 +36,7 @@ COLUMNS = (  # (key, header, width, decimals)
 
 def iterations(store: Store, policy_version: str | None = None) -> list[dict[str, Any]]:
     """One row per iteration of the lineage ending at `policy_version` (default: the newest)."""
-    policy_version = policy_version or store.latest_policy()
+    policy_version = policy_version or latest_policy(store)
     if policy_version is None:
         raise StoreError(f"no policy in {store.root}: nothing to report")
     rows = []
@@ -45,7 +46,7 @@ def iterations(store: Store, policy_version: str | None = None) -> list[dict[str
         advantages = store.manifest("compute-advantages", update.parents["compute-advantages"])
         rewards = store.manifest("assign-rewards", advantages.parents["assign-rewards"])
         seconds = update.wall_s + advantages.wall_s + rewards.wall_s
-        for tools in store.turns_of(rewards.parents["execute-tools"]):
+        for tools in turns_of(store, rewards.parents["execute-tools"]):
             executed = store.manifest("execute-tools", tools)
             seconds += (
                 executed.wall_s + store.manifest("generate-rollouts", executed.parents["generate-rollouts"]).wall_s

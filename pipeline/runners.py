@@ -6,7 +6,7 @@
   `runner.shards` Ray tasks (tool calls are independent per row); without Ray to run on, an
   error (RunnerError), never a quiet run in this process. Generation and training stay in the
   process that holds the model (training on several nodes, ppo.nodes > 1, runs its own torchrun
-  job on the cluster at `runner.ray_address`: pipeline/distributed.py). The runner changes where
+  job on the cluster at `runner.ray_address`: stages/ppo_update/launch.py). The runner changes where
   a stage runs, never its version or its bytes.
 
 Which stages may run on Ray is the stage table's `distributed` (pipeline/stage_table.py).
@@ -23,70 +23,18 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import datasets
 
+from runtime.ray import RAY_ENVIRONMENT, RayError, check_ray_address, import_ray
 from schemas.config import RunnerConfig
 
-# Ray 2.60 would otherwise advertise the machine's LAN address, turn token auth on (writing
-# ~/.ray/auth_token) and send usage stats.
-RAY_ENVIRONMENT = {
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-    "RAY_AUTH_MODE": "disabled",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_DEDUP_LOGS": "0",
-}
 
-
-class RunnerError(ValueError):
-    """The runner cannot start (no Prefect API for Ray workers, Ray missing, bad address)."""
-
-
-def import_ray(purpose: str) -> Any:
-    """The ray module, imported with RAY_ENVIRONMENT in this process's environment (before Ray
-    starts or connects); `purpose` names what needs it in the error when Ray is not installed."""
-    for name, value in RAY_ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
-    try:
-        import ray
-    except ImportError:
-        raise RunnerError(f"{purpose} needs the ray extra: pip install 'mtrl[ray]'") from None
-    return ray
-
-
-def check_ray_address(address: str | None, timeout_s: float = 5.0) -> None:
-    """A cluster address where nothing answers is an error within seconds: ray.init would retry
-    for minutes and then exit the process, which Prefect can only report as a crash."""
-    if address in (None, "auto", "local"):  # found (or started) by Ray itself
-        return
-    host, _, port = address.split("://", 1)[-1].rpartition(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except (OSError, ValueError) as exc:
-        raise RunnerError(
-            f"runner.ray_address {address!r}: no Ray cluster answers there ({exc}); start one with "
-            "`ray start --head` or fix the address"
-        ) from None
-
-
-@contextlib.contextmanager
-def ray_cluster(config: RunnerConfig, purpose: str) -> Iterator[Any]:
-    """The ray module, connected: to the cluster at config.ray_address for the duration, or
-    through the connection this process already has (the ray runner's)."""
-    ray = import_ray(purpose)
-    if ray.is_initialized():
-        yield ray
-        return
-    check_ray_address(config.ray_address)
-    ray.init(address=config.ray_address, runtime_env={"env_vars": dict(RAY_ENVIRONMENT)}, log_to_driver=False)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
+class RunnerError(RayError):
+    """The ray runner cannot run a stage (no Prefect API for its workers, a process not connected to Ray)."""
 
 
 def prefect_api_url() -> str | None:

@@ -8,18 +8,16 @@ its Prefect task in pipeline/flows.py.
 
 from __future__ import annotations
 
-import ast
 import functools
-import hashlib
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from datasets import Features
 
+from runtime.hashing import module_closure, package_version, source_version
 from schemas import features
 from schemas.config import RunConfig
 
@@ -27,7 +25,10 @@ ROOT = Path(__file__).resolve().parent.parent
 POLICY = "policy"  # the other kind of stored version: a checkpoint written by ppo-update
 # Every stage's output depends on the row schema and the token-stream contract.
 SHARED_CODE = ("schemas/features.py", "schemas/token_stream.py")
-PROJECT_PACKAGES = ("pipeline", "stages", "schemas")
+# A stage's code is followed through its imports into these packages only: stages/ and schemas/ hold
+# everything that shapes a stage's output. runtime/ (launchers, samplers, hashing) shapes none, and
+# the pipeline only orchestrates (stages may not import it: tests/test_layout.py).
+HASHED_PACKAGES = ("stages", "schemas")
 # Libraries whose versions shape a stage's bytes, hashed into every version: transformers renders
 # chat templates and runs the model, tokenizers tokenizes, torch computes, datasets and pyarrow
 # write the rows, numpy computes advantages, safetensors stores weights. Prefect, Ray and pydantic
@@ -42,7 +43,8 @@ class Stage:
     inputs: tuple[str, ...]  # the stored versions it may read (its manifest's parents)
     features: Features  # the Arrow schema of its dataset
     config: tuple[str, ...]  # config fields its output depends on (hashed into its version)
-    # fields inside `config` that only say where it runs, not what it computes: left out of its version
+    # fields inside `config` that only say where it runs or how long it may wait, not what it
+    # computes: left out of its version
     placement: tuple[str, ...] = ()
     derived: tuple[str, ...] = ()  # values computed from the config, hashed too (see DERIVED)
     code: tuple[str, ...] = ()  # where its code starts (a folder: its *.py); what they import is followed
@@ -51,13 +53,13 @@ class Stage:
 
     @functools.cached_property
     def code_files(self) -> list[Path]:
-        """The project's source files its output depends on: its code and everything of the
-        project it imports, transitively (imports inside functions included)."""
+        """The source files its output depends on: its code and every module of stages/ and
+        schemas/ it imports, transitively (imports inside functions included)."""
         entries = []
         for name in (*self.code, *SHARED_CODE):
             path = ROOT / name
             entries += sorted(path.glob("*.py")) if path.is_dir() else [path]
-        return module_closure(entries)
+        return module_closure(entries, ROOT, HASHED_PACKAGES)
 
     @functools.cached_property
     def code_version(self) -> str:
@@ -76,53 +78,6 @@ class Stage:
         return {"libraries": shaping_library_versions(), **{k: v for k, v in values.items() if v is not None}}
 
 
-def source_version(*paths: str | Path) -> str:
-    """A short hash of the contents of these files."""
-    digest = hashlib.sha256()
-    for path in paths:
-        digest.update(Path(path).read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def module_closure(entries: list[Path]) -> list[Path]:
-    """These source files and the project files they import, transitively, sorted."""
-    seen: set[Path] = set()
-    todo = list(entries)
-    while todo:
-        path = todo.pop()
-        if path not in seen:
-            seen.add(path)
-            todo += project_imports(path)
-    return sorted(seen)
-
-
-@functools.cache  # the stages share most of their files: each is parsed once per process
-def project_imports(path: Path) -> list[Path]:
-    """The project's source files that this one imports."""
-    imported = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
-        else:
-            continue
-        for name in names:
-            if name.split(".")[0] in PROJECT_PACKAGES:
-                module = ROOT / name.replace(".", "/")
-                imported += [f for f in (module / "__init__.py", module.with_suffix(".py")) if f.is_file()]
-    return imported
-
-
-@functools.cache  # a process runs with one set of libraries; each lookup scans the installed packages
-def package_version(name: str) -> str | None:
-    """The installed version of a distribution, None if it is not installed."""
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def shaping_library_versions() -> dict[str, str]:
     return {"python": platform.python_version(), **{n: package_version(n) or "absent" for n in SHAPING_LIBRARIES}}
 
@@ -134,7 +89,7 @@ def _device(config: RunConfig) -> str:
 
 
 def _environment_code(config: RunConfig) -> dict[str, str]:
-    from pipeline.task_mix import environment_code
+    from stages.tasks import environment_code
 
     return environment_code(config)
 
@@ -163,7 +118,7 @@ STAGES: dict[str, Stage] = {
             features=features.GENERATE_ROLLOUTS,
             config=("generation", "task", "seed", "model.dtype"),
             derived=("device", "environment_code", "engine_version"),
-            code=("stages/generate_rollouts", "pipeline/task_mix.py", "pipeline/evaluate.py"),
+            code=("stages/generate_rollouts", "stages/tasks.py"),
         ),
         Stage(
             name="execute-tools",
@@ -172,7 +127,7 @@ STAGES: dict[str, Stage] = {
             features=features.EXECUTE_TOOLS,
             config=("tools", "task", "generation"),
             derived=("environment_code",),  # environments decide observations and termination
-            code=("stages/execute_tools", "pipeline/evaluate.py"),
+            code=("stages/execute_tools",),
             distributed=True,
         ),
         Stage(
@@ -206,10 +161,13 @@ STAGES: dict[str, Stage] = {
             # The world size decides each rank's share and the order gradients are summed in, so it is
             # hashed; the nodes only decide which machine runs which rank: the same ranks compute the
             # same things, as the runner's choice of process does for tools (tested equal within
-            # float rounding: tests/test_distributed.py).
-            placement=("ppo.nodes",),
+            # float rounding: tests/test_distributed.py). A collective's timeout only decides when a
+            # hung job fails: what a finished one computed does not depend on it.
+            placement=("ppo.nodes", "ppo.collective_timeout_s"),
             derived=("device",),
-            code=("stages/ppo_update.py", "pipeline/ppo_worker.py"),  # ppo.world_size > 1: its torchrun worker
+            # the update and, with ppo.world_size > 1, the worker each rank runs; not the launcher
+            # (launch.py: where the ranks run, as ppo.nodes)
+            code=("stages/ppo_update/__init__.py", "stages/ppo_update/checkpoint.py", "stages/ppo_update/worker.py"),
             rerun_from="compute-advantages",
         ),
     )

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import platform
@@ -33,55 +32,22 @@ from pathlib import Path
 from typing import Any
 
 import datasets
-import xxhash
 
-from pipeline.stage_table import POLICY, STAGES, package_version
-from schemas.config import RunConfig, deep_merge
-from schemas.manifest import Manifest, StoreError
+from pipeline.stage_table import POLICY, STAGES
+from runtime.hashing import MANIFEST, digest_problems, file_digests, package_version
+from runtime.phases import PHASES
+from schemas.manifest import Manifest, MissingVersionError, StoreError
 
 # datasets writes cache files (map, cast, flatten_indices, ...) next to the data a dataset was
 # loaded from, i.e. *into a finished version folder*. Our stages never need that cache.
 datasets.disable_caching()
 
 STORED = (*STAGES, POLICY)  # the folders of a runs directory
-MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
 # A writer holds its temporary folder only while it saves one finished version (seconds to
 # minutes), so a folder untouched for a day is stale whoever wrote it (a reused pid, a host
 # that went away).
 TMP_MAX_AGE_S = 24 * 3600
-VERSION_CHARS = 16
-
-
-def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False, default=str)
-
-
-def version_key(stage: str, code_version: str, config: dict[str, Any], parents: dict[str, str]) -> str:
-    """Content hash naming a stage output; configs are JSON-normalised by pydantic first."""
-    payload = {"stage": stage, "code_version": code_version, "config": config, "parents": parents}
-    return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:VERSION_CHARS]
-
-
-def file_digests(folder: Path) -> dict[str, dict[str, Any]]:
-    digests = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
-        hasher = xxhash.xxh3_128()
-        with path.open("rb") as handle:
-            for block in iter(lambda: handle.read(1 << 22), b""):
-                hasher.update(block)
-        digests[str(path.relative_to(folder))] = {"bytes": path.stat().st_size, "xxh3_128": hasher.hexdigest()}
-    return digests
-
-
-def digest_problems(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
-    """The files that are missing, unexpected, or differ from their recorded digest."""
-    problems = [f"missing file {name}" for name in expected if name not in actual]
-    problems += [f"unexpected file {name}" for name in actual if name not in expected]
-    problems += [
-        f"{name} differs from its digest" for name in expected if name in actual and actual[name] != expected[name]
-    ]
-    return problems
 
 
 def copy_files(source: Path, target: Path, files: dict[str, Any]) -> None:
@@ -93,14 +59,14 @@ def copy_files(source: Path, target: Path, files: dict[str, Any]) -> None:
         shutil.copyfile(source / name, destination)  # follows a hub snapshot's symlinks to its blobs
 
 
-_VERIFIED: set[tuple] = set()  # policy folders whose digests matched, by their files' (path, size, mtime)
-
-
 def library_versions() -> dict[str, str]:
     """What a manifest records of the libraries that wrote it (those installed)."""
     names = ("torch", "transformers", "datasets", "pyarrow", "numpy", "prefect", "mtrl")
     installed = {name: package_version(name) for name in names}
     return {"python": platform.python_version(), **{name: v for name, v in installed.items() if v is not None}}
+
+
+_VERIFIED: set[tuple] = set()  # policy folders whose digests matched, by their files' (path, size, mtime)
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -170,20 +136,8 @@ class Store:
     def manifest(self, stage: str, version: str) -> Manifest:
         path = self.path(stage, version) / MANIFEST
         if not path.is_file():
-            raise StoreError(
-                f"{stage}/{version} is not in the store at {self.root}{self._rebuild_hint(stage, version)}"
-            )
+            raise MissingVersionError(stage, version, self.root)
         return Manifest.model_validate_json(path.read_text())
-
-    def _rebuild_hint(self, stage: str, version: str) -> str:
-        """How to get a missing trained policy back: the ppo-update that wrote it, run again."""
-        if stage != POLICY or not (self.root / "ppo-update").is_dir():
-            return ""
-        for update in self.versions("ppo-update"):
-            if update.policy == version:
-                source = f"compute-advantages/{update.parents['compute-advantages']}"
-                return f"; ppo-update/{update.version} wrote it: `mtrl stage ppo-update --from {source}` rebuilds it"
-        return ""
 
     def load(self, stage: str, version: str, verify: bool = True) -> datasets.Dataset:
         """The dataset of a version; its files are checked against the manifest's digests first
@@ -262,58 +216,12 @@ class Store:
             # the first parent is visited first, as a recursive walk would
             todo += [(name.split("#")[0], parent) for name, parent in reversed(manifest.parents.items())]
 
-    def turns_of(self, tools_version: str) -> list[str]:
-        """The execute-tools versions of every turn of an iteration up to this one, oldest first
-        (each turn's generate-rollouts version names the previous turn's execute-tools version)."""
-        chain: list[str] = []
-        current: str | None = tools_version
-        while current is not None:
-            chain.append(current)
-            generated = self.manifest("execute-tools", current).parents["generate-rollouts"]
-            current = self.manifest("generate-rollouts", generated).parents.get("execute-tools")
-        return chain[::-1]
-
-    def load_turns(self, tools_version: str) -> datasets.Dataset:
-        """Every turn of an iteration up to this execute-tools version, in one dataset."""
-        return datasets.concatenate_datasets([self.load("execute-tools", v) for v in self.turns_of(tools_version)])
-
     def ancestor(self, stage: str, version: str, of_stage: str) -> Manifest:
         """The nearest version of `of_stage` in a version's lineage (e.g. its rollouts')."""
         found = next((m for m in self.walk_lineage(stage, version) if m.stage == of_stage), None)
         if found is None:
             raise StoreError(f"{stage}/{version} has no {of_stage} in its lineage")
         return found
-
-    # ------------------------------------------------------------------ lineage queries
-
-    def latest_policy(self) -> str | None:
-        """The newest policy of the store (the highest iteration, then the newest write)."""
-        policies = self.versions(POLICY)
-        if not policies:
-            return None
-        newest = max(policies, key=lambda m: (-1 if m.iteration is None else m.iteration, m.created_at))
-        return newest.version
-
-    def reference_policy(self, policy_version: str) -> str:
-        """The starting policy of a policy's lineage (the imported model): the KL reference."""
-        version = policy_version
-        while parents := self.manifest(POLICY, version).parents:
-            version = self.manifest("ppo-update", parents["ppo-update"]).parents[POLICY]
-        return version
-
-    def generating_policy(self, stage: str, version: str) -> str:
-        """The policy that generated the rollouts a version was computed from."""
-        return self.ancestor(stage, version, "generate-rollouts").parents[POLICY]
-
-    def lineage_config(self, stage: str, version: str) -> dict[str, Any]:
-        """The config recorded along a version's lineage, as a partial run config: each stage
-        records the fields its output depends on; the newest record of a field wins."""
-        merged: dict[str, Any] = {}
-        for manifest in reversed(self.lineage(stage, version)):
-            # stores written by older mtrl versions recorded other keys beside the sections
-            recorded = {key: value for key, value in manifest.config.items() if key in RunConfig.model_fields}
-            merged = deep_merge(merged, recorded)
-        return merged
 
     def verify(self, stage: str, version: str) -> list[str]:
         """Problems with a version's files (empty when they match the manifest's digests)."""
@@ -375,6 +283,7 @@ class Store:
             shutil.rmtree(tmp, ignore_errors=True)  # SIGKILL skips this: clean_stale_tmp() does it later
             raise
 
+    @PHASES.timed("store_writes")
     def write_dataset(self, stage: str, version: str, dataset: datasets.Dataset, manifest: dict[str, Any]) -> Manifest:
         expected = STAGES[stage].features
         if dataset.features != expected:

@@ -8,11 +8,8 @@ version, so changing the estimator leaves rollouts cached.
 
 from __future__ import annotations
 
-import json
-import types
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -283,22 +280,6 @@ class PPOConfig(Section):
     autocast: Literal["auto", "bf16", "off"] = Field("auto", description="bf16 autocast; auto = on CUDA only.")
     lora_rank: int = Field(0, ge=0, le=1024, description="Train LoRA adapters of this rank (0 = full fine-tune).")
     lora_alpha: float = Field(16.0, gt=0.0, description="LoRA scale: adapter updates are multiplied by alpha / rank.")
-    audit_rescore_fraction: float = Field(
-        0.1, ge=0.0, le=1.0, description="Audit: share of rollouts re-scored by the stored policy."
-    )
-    audit_tolerance: float | None = Field(
-        None,
-        gt=0.0,
-        description="Audit: max |stored - re-scored| logprob; null = by model.dtype (float32 1e-3, "
-        "float16 0.05, bfloat16 0.5: the re-score is float32, low-precision generation differs by rounding).",
-    )
-    max_failed_fraction: float = Field(
-        0.5,
-        ge=0.0,
-        le=1.0,
-        description="Audit: stop the iteration, writing no policy, when more than this share of its rollouts "
-        "failed (tools crashed, environments raised): a run where everything fails must not look like success.",
-    )
     world_size: int = Field(
         1,
         ge=1,
@@ -322,7 +303,8 @@ class PPOConfig(Section):
         gt=0.0,
         le=86400.0,
         description="With world_size > 1: a collective (gradient reduction, weight gathering) that waits longer "
-        "than this fails the stage instead of hanging.",
+        "than this fails the stage instead of hanging. When a hung job fails, not what a finished one computed: "
+        "not part of the version.",
     )
 
     @model_validator(mode="after")
@@ -338,6 +320,28 @@ class PPOConfig(Section):
                 "processes, so nodes must divide world_size"
             )
         return self
+
+
+class AuditConfig(Section):
+    """The checks a compute-advantages version passes before ppo-update trains on it (pipeline/audit.py).
+    They decide whether the update runs, not what it computes: no version hashes them."""
+
+    rescore_fraction: float = Field(
+        0.1, ge=0.0, le=1.0, description="Share of rollouts re-scored by the stored policy."
+    )
+    tolerance: float | None = Field(
+        None,
+        gt=0.0,
+        description="Max |stored - re-scored| logprob; null = by model.dtype (float32 1e-3, float16 0.05, "
+        "bfloat16 0.5: the re-score is float32, low-precision generation differs by rounding).",
+    )
+    max_failed_fraction: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="Stop the iteration, writing no policy, when more than this share of its rollouts failed "
+        "(tools crashed, environments raised): a run where everything fails must not look like success.",
+    )
 
 
 class StoreConfig(Section):
@@ -370,6 +374,7 @@ class RunConfig(Section):
     reward: RewardConfig = RewardConfig()
     advantage: AdvantageConfig = AdvantageConfig()
     ppo: PPOConfig = PPOConfig()
+    audit: AuditConfig = AuditConfig()
     store: StoreConfig = StoreConfig()
     runner: RunnerConfig = RunnerConfig()
 
@@ -438,88 +443,3 @@ class RunConfig(Section):
                 target = target[name]
             del target[field]
         return picked
-
-
-@dataclass
-class ConfigField:
-    """One leaf field of the run config, as `mtrl config` and docs/config.md list it."""
-
-    name: str  # the dotted path that `--set` takes, e.g. "ppo.clip_low"
-    type: str  # e.g. "float", "int | null", "list[str]"
-    default: str  # as typed after `--set NAME=`
-    bounds: dict[str, float]  # pydantic's ge/gt/le/lt constraints, e.g. {"gt": 0.0, "le": 1.0}
-    choices: tuple[str, ...]  # the values of a Literal type, else empty
-    description: str
-
-    @property
-    def section(self) -> str:
-        """The top-level section; RunConfig's own fields (seed, iterations) form the section "run"."""
-        return self.name.split(".")[0] if "." in self.name else "run"
-
-    @property
-    def range(self) -> str:
-        """The choices "a | b", or the bounds as an interval such as "(0, 1]" or "[1, inf)"; "" when free."""
-        if self.choices:
-            return " | ".join(self.choices)
-        if not self.bounds:
-            return ""
-        b = self.bounds
-        low = f"[{_number(b['ge'])}" if "ge" in b else f"({_number(b['gt'])}" if "gt" in b else "(-inf"
-        high = f"{_number(b['le'])}]" if "le" in b else f"{_number(b['lt'])})" if "lt" in b else "inf)"
-        return f"{low}, {high}"
-
-
-BOUND_KINDS = ("ge", "gt", "le", "lt")  # the annotated_types constraints that Field(ge=..., ...) records
-
-
-def config_fields(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[ConfigField]:
-    """Every leaf field of `model`, in declaration order, descending into its section models."""
-    defaults = model().model_dump(mode="json")  # the values `with_overrides` replaces
-    fields: list[ConfigField] = []
-    for key, info in model.model_fields.items():
-        name = prefix + key
-        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
-            fields += config_fields(info.annotation, f"{name}.")
-            continue
-        bounds = {kind: getattr(rule, kind) for rule in info.metadata for kind in BOUND_KINDS if hasattr(rule, kind)}
-        fields.append(
-            ConfigField(
-                name=name,
-                type=_type_name(info.annotation),
-                default=_value_text(defaults[key]),
-                bounds=bounds,
-                choices=tuple(map(str, get_args(info.annotation))) if get_origin(info.annotation) is Literal else (),
-                description=info.description or "",
-            )
-        )
-    return fields
-
-
-def _type_name(annotation: Any) -> str:
-    """A type as a YAML or `--set` user reads it: `int | None` -> "int | null", Path -> "path"."""
-    origin = get_origin(annotation)
-    if origin is Literal:
-        return " | ".join(dict.fromkeys(type(choice).__name__ for choice in get_args(annotation)))
-    if origin in (Union, types.UnionType):
-        return " | ".join(_type_name(arg) for arg in get_args(annotation))
-    if origin is not None:
-        return f"{origin.__name__}[{', '.join(_type_name(arg) for arg in get_args(annotation))}]"
-    if annotation is type(None):
-        return "null"
-    return "path" if annotation is Path else annotation.__name__
-
-
-def _value_text(value: Any) -> str:
-    """A JSON value as `--set` reads it back: JSON, except that a string goes unquoted."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return _number(value)
-    return json.dumps(value)
-
-
-def _number(value: float) -> str:
-    """The shortest exact text that is still JSON: 1e-06 -> 1e-6, 1e+06 -> 1e6, 3600.0 -> 3600."""
-    text = f"{value:g}" if float(f"{value:g}") == value else repr(value)
-    mantissa, _, exponent = text.partition("e")
-    return f"{mantissa}e{int(exponent)}" if exponent else mantissa

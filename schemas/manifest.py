@@ -7,6 +7,7 @@ audit results, ...): they are kept as extra fields and shown by `mtrl show`.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -15,6 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field
 class StoreError(RuntimeError):
     """A missing, corrupted or ambiguous version (defined here, with nothing heavy imported, so
     that the CLI can catch it before it imports the store)."""
+
+
+class MissingVersionError(StoreError):
+    """A version that is not in the store (the CLI adds how to rebuild it: pipeline/lineage.py)."""
+
+    def __init__(self, stage: str, version: str, root: Path):
+        super().__init__(f"{stage}/{version} is not in the store at {root}")
+        self.stage, self.version, self.root = stage, version, root
 
 
 class Manifest(BaseModel):

@@ -1,9 +1,11 @@
-"""The policy as the stages use it: load it, score tokens with it, save it.
+"""The policy as the stages use it: load it and score tokens with it.
 
-  1. loading: the tokenizer (it must have a chat template), the model, its EOS tokens, the device;
+  1. loading: the tokenizer (it must have a chat template), the model, its EOS tokens, the device,
+     the value head;
   2. scoring: one sequence per rollout (its whole token stream), the logprobs, entropies and
-     critic values of its completion tokens (the vocabulary projection chunked), KL estimators;
-  3. saving: a checkpoint with its value head and AdamW state (safetensors, never pickle).
+     critic values of its completion tokens (the vocabulary projection chunked), KL estimators.
+
+Saving a trained policy with its AdamW state is ppo-update's (stages/ppo_update/checkpoint.py).
 
 generate-rollouts, compute-advantages (critic values, reference logprobs), ppo-update and the
 audit (re-scoring) all score through score_rollouts / forward_targets, so they agree on
@@ -23,7 +25,6 @@ from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
 from schemas.token_stream import rollouts
-from stages.sharding import full_tensor, like_parameter
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -144,7 +145,10 @@ def token_logprobs(
 
 
 @dataclass
-class Sequence:
+class RolloutSequence:
+    """One rollout as the model scores or trains on it: its whole token stream and, per sampled
+    token, its position in the stream and the values the loss reads."""
+
     rows: list[int] = field(default_factory=list)  # dataset rows of its turns, in turn order
     token_ids: list[int] = field(default_factory=list)
     target_positions: list[int] = field(default_factory=list)  # sampled tokens in token_ids
@@ -159,7 +163,7 @@ class Sequence:
 OPTIONAL_COLUMNS = ("advantages", "returns", "values", "ref_logprobs")
 
 
-def rollout_sequences(turns: datasets.Dataset, include_failed: bool = False) -> list[Sequence]:
+def rollout_sequences(turns: datasets.Dataset, include_failed: bool = False) -> list[RolloutSequence]:
     """One sequence per rollout, in rollout order (failed rollouts left out): its whole token
     stream, with its completion tokens as targets."""
     optional = [name for name in OPTIONAL_COLUMNS if name in turns.column_names]
@@ -168,7 +172,7 @@ def rollout_sequences(turns: datasets.Dataset, include_failed: bool = False) -> 
     for rollout in rollouts(turns):
         if rollout.failed and not include_failed:
             continue
-        seq = Sequence(rows=rollout.rows, token_ids=rollout.token_ids)
+        seq = RolloutSequence(rows=rollout.rows, token_ids=rollout.token_ids)
         for row, (start, end) in zip(rollout.rows, rollout.completion_spans):
             seq.target_positions += range(start, end)
             seq.generation_logprobs += columns["completion_logprobs"][row]
@@ -184,7 +188,7 @@ def rollout_sequences(turns: datasets.Dataset, include_failed: bool = False) -> 
 
 
 def collate(
-    batch: list[Sequence], pad_token_id: int, device: torch.device, packed: bool = False
+    batch: list[RolloutSequence], pad_token_id: int, device: torch.device, packed: bool = False
 ) -> dict[str, torch.Tensor]:
     """Token ids plus flat per-target-token tensors (and which sequence each is from).
 
@@ -323,88 +327,3 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     if estimator == "k3":  # low variance, always >= 0 (Schulman); clamped as in verl
         return (torch.exp(-log_ratio) - 1.0 + log_ratio).clamp(max=10.0)
     raise ValueError(f"unknown KL estimator '{estimator}'; valid: k1, k2, k3")
-
-
-# ---------------------------------------------------------------------------------------
-# 3. Saving
-# ---------------------------------------------------------------------------------------
-
-
-OPTIMIZER_FILE = "optimizer.safetensors"
-
-
-def _named_trainable(model: torch.nn.Module, value_head: ValueHead | None) -> dict[str, torch.nn.Parameter]:
-    named = {f"policy.{n}": p for n, p in model.named_parameters() if p.requires_grad}
-    if value_head is not None:
-        named |= {f"critic.{n}": p for n, p in value_head.named_parameters()}
-    return named
-
-
-def optimizer_tensors(
-    optimizer: torch.optim.Optimizer, model: torch.nn.Module, value_head: ValueHead | None, keep: bool = True
-) -> dict[str, torch.Tensor]:
-    """Adam's moments and step count per named parameter, whole and on the CPU: the form
-    that any world size restores. Sharded moments are gathered one at a time (every rank
-    must call this; the ranks that do not write pass keep=False and get nothing back)."""
-    tensors = {}
-    for name, param in _named_trainable(model, value_head).items():
-        for key, value in optimizer.state.get(param, {}).items():  # step, exp_avg, exp_avg_sq
-            whole = full_tensor(value).detach()
-            if keep:
-                tensors[f"{name}/{key}"] = whole.cpu().contiguous()
-    return tensors
-
-
-def save_optimizer_state(
-    optimizer: torch.optim.Optimizer, model: torch.nn.Module, value_head: ValueHead | None, directory: str | Path
-) -> None:
-    """optimizer_tensors as safetensors beside the policy (never pickle), so the next
-    iteration's update continues the same optimiser."""
-    save_file(optimizer_tensors(optimizer, model, value_head), Path(directory) / OPTIMIZER_FILE)
-
-
-def load_optimizer_state(
-    optimizer: torch.optim.Optimizer, model: torch.nn.Module, value_head: ValueHead | None, directory: str | Path
-) -> int:
-    """Restore what save_optimizer_state wrote beside a policy; returns how many parameters
-    got their state back (0 without a file: a fresh optimiser). A parameter without saved
-    state (a critic added later) starts fresh; a shape that does not match is an error.
-    The file holds whole tensors: a sharded parameter (FSDP2) gets this rank's shard."""
-    path = Path(directory) / OPTIMIZER_FILE
-    if not path.is_file():
-        return 0
-    saved: dict[str, dict[str, torch.Tensor]] = {}  # parameter name -> {step, exp_avg, exp_avg_sq}
-    for key, value in load_file(path).items():
-        name, _, field = key.rpartition("/")
-        saved.setdefault(name, {})[field] = value
-    restored = 0
-    for name, param in _named_trainable(model, value_head).items():
-        state = saved.get(name)
-        if not state:
-            continue
-        for key, value in state.items():
-            if key != "step" and value.shape != param.shape:
-                raise ValueError(
-                    f"{path}: state '{name}/{key}' has shape {tuple(value.shape)}, not {tuple(param.shape)}"
-                )
-        # Adam keeps `step` on the CPU (non-capturable); the moments live with the parameter.
-        optimizer.state[param] = {k: v if k == "step" else like_parameter(v, param) for k, v in state.items()}
-        restored += 1
-    return restored
-
-
-def save_policy(
-    directory: str | Path,
-    model: torch.nn.Module,
-    tokenizer: Any,
-    value_head: ValueHead | None = None,
-    optimizer_state: dict[str, torch.Tensor] | None = None,
-) -> None:
-    """Everything the next iteration loads: the checkpoint, its tokenizer and, when trained
-    with them, the value head and the AdamW state (optimizer_tensors)."""
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    if value_head is not None:
-        value_head.save(directory)
-    if optimizer_state is not None:
-        save_file(optimizer_state, Path(directory) / OPTIMIZER_FILE)

@@ -10,9 +10,9 @@ import pytest
 
 _PREFECT_HOME = Path(tempfile.mkdtemp(prefix="mtrl-test-prefect-"))
 os.environ.setdefault("PREFECT_HOME", str(_PREFECT_HOME))
-from pipeline import prefect_env  # noqa: E402
+from pipeline import prefect_servers, prefect_settings  # noqa: E402
 
-prefect_env.configure(_PREFECT_HOME)  # telemetry off, no progress bars, no ~/.prefect
+prefect_settings.configure(_PREFECT_HOME)  # telemetry off, no progress bars, no ~/.prefect
 
 import torch  # noqa: E402
 
@@ -58,5 +58,5 @@ def prefect_server_env(tmp_path_factory):
     """A real `prefect server start` on 127.0.0.1 with its own PREFECT_HOME; yields the environment
     for client processes (PREFECT_API_URL set)."""
     home = tmp_path_factory.mktemp("prefect-home")
-    with prefect_env.local_server(home) as url:
+    with prefect_servers.local_server(home) as url:
         yield {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": url, "PREFECT_RUNNER_POLL_FREQUENCY": "1"}

@@ -3,7 +3,7 @@
 import random
 
 from stages.environments import ENVIRONMENTS, Environment, last_integer
-from stages.execute_tools import TOOLS
+from stages.tools import TOOLS
 
 
 def multiply(a: int, b: int) -> str:

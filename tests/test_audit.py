@@ -159,7 +159,7 @@ def test_bfloat16_generation_is_audited_with_the_tolerance_of_its_dtype(tmp_path
         model={"dtype": "bfloat16"},
         task={"rollouts": 8, "group_size": 4, "max_turns": 2},
         generation={"max_new_tokens": 48},
-        ppo={"audit_rescore_fraction": 1.0},
+        audit={"rescore_fraction": 1.0},
         store={"runs_dir": tmp_path},
     )
     (result,) = rl_training(config)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli import UsageError, build_config, main, parser
-from schemas.config import ConfigField, RunConfig, config_fields
+from pipeline.config_docs import ConfigField, config_fields
+from schemas.config import RunConfig
 
 
 @pytest.mark.parametrize(

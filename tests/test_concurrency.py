@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.lineage import lineage_config
 from pipeline.store import Store
 
 pytestmark = pytest.mark.slow
@@ -66,7 +67,7 @@ def test_runs_started_together_on_one_store_keep_their_versions_apart(tmp_path):
         for manifest in lineage:
             if manifest.stage == "policy" and not manifest.parents:
                 continue  # the imported starting model: the one version both runs share
-            recorded = store.lineage_config(manifest.stage, manifest.version)
+            recorded = lineage_config(store, manifest.stage, manifest.version)
             assert recorded["seed"] == seed, f"{manifest.stage}/{manifest.version} in the lineage of seed {seed}"
     assert writers[1] <= {runs_started[0].pid, runs_started[2].pid} and writers[2] == {runs_started[1].pid}
     (starting_model,) = lineages[1] & lineages[2]
@@ -81,11 +82,11 @@ def test_runs_started_together_on_one_store_keep_their_versions_apart(tmp_path):
 
 START_API = """
 import sys
-from pipeline import prefect_env
-prefect_env.configure(sys.argv[1])
+from pipeline import prefect_servers, prefect_settings
+prefect_settings.configure(sys.argv[1])
 from prefect import get_client
 print("imported", file=sys.stderr, flush=True)
-prefect_env.configure_api(sys.argv[1], "thread")  # what `mtrl run` does before its flows
+prefect_servers.start_api(sys.argv[1], "thread")()  # what `mtrl run` does before its flows
 with get_client(sync_client=True) as client:  # what a flow does first: start a server if there is none
     assert client.api_healthcheck() is None
 """
@@ -127,8 +128,8 @@ START_WHILE_IMPORTING = """
 import os, sys
 forks = []
 os.register_at_fork(before=lambda: forks.append("before"), after_in_parent=lambda: forks.append("after"))
-from pipeline import prefect_env
-wait = prefect_env.start_api(sys.argv[1], "thread")
+from pipeline import prefect_servers
+wait = prefect_servers.start_api(sys.argv[1], "thread")
 wait()
 print(forks)
 """
@@ -165,12 +166,12 @@ def test_a_sigkilled_run_takes_its_temporary_prefect_server_along(tmp_path):
 CONCURRENT_WRITES = """
 import json, os, sys, threading
 import httpx
-from pipeline import prefect_env
+from pipeline import prefect_servers
 
 if sys.argv[1].startswith("http"):  # a server already started
     url = sys.argv[1]
 else:  # the temporary server of a runs directory
-    prefect_env.start_api(sys.argv[1], "thread")()
+    prefect_servers.start_api(sys.argv[1], "thread")()
     url = os.environ["PREFECT_API_URL"]
 with httpx.Client(base_url=url) as client:
     flow = client.post("/flows/", json={"name": "writers"}).json()

@@ -10,15 +10,16 @@ import re
 import pytest
 
 from pipeline.evaluate import run_episodes
-from pipeline.task_mix import rollout_starts, task_turn_limits
 from schemas.config import RewardConfig, RunConfig, TaskConfig
 from schemas.features import ASSIGN_REWARDS, EXECUTE_TOOLS, dataset_from_rows
 from schemas.token_stream import prompt_token_ids
 from stages.assign_rewards import assign_rewards, rollout_metrics
 from stages.environments import ENVIRONMENTS, CalculatorEnv, GuessNumberEnv, WeatherEnv
-from stages.execute_tools import TOOLS, ToolCall, run_tool_calls, tool_schema
+from stages.execute_tools.calls import ToolCall, run_tool_calls
 from stages.generate_rollouts.hf import HFEngine
 from stages.policy import eos_token_ids
+from stages.tasks import rollout_starts, task_turn_limits
+from stages.tools import TOOLS, tool_schema
 
 
 def guess(number: int) -> dict:
@@ -179,7 +180,7 @@ def test_the_prompt_lists_the_environments_tools(tiny):
 
 
 def test_a_plugin_registers_a_tool_and_an_environment(tiny):
-    from pipeline.task_mix import environment_code, load_plugins
+    from stages.tasks import environment_code, load_plugins
 
     load_plugins(["plugin_countdown"])
     try:

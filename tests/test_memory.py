@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from pipeline.memory import current_rss_bytes, peak_memory
+from runtime.memory import current_rss_bytes, peak_memory
 
 
 def test_peak_memory_sees_a_short_lived_allocation_that_is_freed_before_the_end():

@@ -13,7 +13,7 @@ from pipeline.stage_table import POLICY, STAGES
 from pipeline.store import Store
 from schemas.token_stream import generation_prompt_ids, observation_token_ids, prompt_token_ids
 from stages.environments import ENVIRONMENTS
-from stages.execute_tools import TOOLS, tool_schema
+from stages.tools import TOOLS, tool_schema
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
@@ -187,16 +187,20 @@ def test_a_deleted_version_is_recomputed_not_served_from_prefects_cache(first_ru
 def test_a_deleted_policy_folder_is_named_with_its_rebuild_command_and_rebuilt_with_the_same_bytes(first_run):
     import shutil
 
+    from pipeline.cli import error_message
     from pipeline.flows import rl_training
-    from pipeline.store import StoreError
+    from schemas.manifest import MissingVersionError
 
     config, (result,), store = first_run
     policy = result["next_policy"]
     files = store.manifest(POLICY, policy).files
     shutil.rmtree(store.path(POLICY, policy))
     advantaged = result["versions"]["compute-advantages"]
-    with pytest.raises(StoreError, match=rf"mtrl stage ppo-update --from compute-advantages/{advantaged}` rebuilds"):
+    with pytest.raises(MissingVersionError) as missing:
         store.policy_dir(policy)
+    assert error_message(missing.value).endswith(
+        f"wrote it: `mtrl stage ppo-update --from compute-advantages/{advantaged}` rebuilds it"
+    )
     (again,) = rl_training(config)  # its ppo-update version exists: the update runs again for the policy
     assert again["next_policy"] == policy and again["versions"] == result["versions"]
     assert store.manifest(POLICY, policy).files == files  # the same bytes as the deleted policy
@@ -296,7 +300,7 @@ def test_a_second_engine_plugs_in_by_name_without_touching_the_flow(first_run, t
 
 def test_an_iteration_where_every_rollout_fails_stops_and_writes_no_policy(tmp_path, monkeypatch):
     """A run whose environment is down must not look like success: the audit in front of
-    ppo-update stops the iteration (ppo.max_failed_fraction) and no new policy is written."""
+    ppo-update stops the iteration (audit.max_failed_fraction) and no new policy is written."""
     from pipeline.flows import rl_training
     from schemas.config import RunConfig
     from stages.environments import CalculatorEnv

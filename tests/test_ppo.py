@@ -18,9 +18,7 @@ from stages.policy import (
     eos_token_ids,
     forward_targets,
     kl_estimate,
-    load_optimizer_state,
     rollout_sequences,
-    save_optimizer_state,
     score_rollouts,
     token_logprobs,
 )
@@ -33,6 +31,7 @@ from stages.ppo_update import (
     token_loss,
     value_loss,
 )
+from stages.ppo_update.checkpoint import load_optimizer_state, save_optimizer_state
 
 
 def test_clipped_loss_value_and_gradient_by_hand():

@@ -59,7 +59,8 @@ def _tag_with_pid(rows):
 
 
 def test_row_shards_run_as_ray_tasks_and_come_back_in_order(monkeypatch):
-    from pipeline.runners import RAY_ENVIRONMENT, map_row_shards
+    from pipeline.runners import map_row_shards
+    from runtime.ray import RAY_ENVIRONMENT
     from schemas.config import RunnerConfig
 
     for name, value in RAY_ENVIRONMENT.items():  # before Ray is imported: it reads them then

@@ -39,7 +39,7 @@ def test_the_scan_catches_what_it_looks_for():
 
 
 def test_prefect_results_are_json_never_pickle():
-    from pipeline.flows import generate_rollouts_task, ppo_update_task
+    from pipeline.tasks import generate_rollouts_task, ppo_update_task
 
     for task in (generate_rollouts_task, ppo_update_task):
         serializer = task.result_serializer

@@ -11,7 +11,8 @@ import time
 import datasets
 import pytest
 
-from pipeline.store import Store, StoreError, version_key
+from pipeline.store import Store, StoreError
+from runtime.hashing import version_key
 from schemas.config import RunConfig
 from schemas.manifest import Manifest
 
@@ -205,7 +206,7 @@ def test_resolve_accepts_unique_prefixes_and_names_problems(tmp_path):
 def test_an_edited_policy_is_never_loaded(tmp_path):
     """policy_dir checks a policy's files against its digests before anything loads them: a
     trained policy written by the store, and an imported base model that changed on disk."""
-    from pipeline.store import file_digests
+    from runtime.hashing import file_digests
 
     store = Store(tmp_path / "runs")
 

@@ -8,7 +8,7 @@ import datasets
 
 from schemas.token_stream import generation_prompt_ids, observation_token_ids, prompt_token_ids, rollouts
 from stages.environments import CalculatorEnv
-from stages.execute_tools import TOOLS, tool_schema
+from stages.tools import TOOLS, tool_schema
 
 EXPECTED_EPISODE = (
     "<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n\nYou may call one or more functions to assist "

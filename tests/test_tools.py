@@ -9,7 +9,9 @@ import toolbox
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stages.execute_tools import TOOLS, ToolCall, calculate, calls, parse_tool_calls, run_tool_calls, tool_schema
+from stages.execute_tools import calls
+from stages.execute_tools.calls import ToolCall, parse_tool_calls, run_tool_calls
+from stages.tools import TOOLS, calculate, tool_schema
 
 
 def test_parse_well_formed_calls_in_order():

@@ -16,6 +16,7 @@ import torch
 
 from pipeline.audit import AuditError
 from pipeline.evaluate import run_episodes
+from pipeline.lineage import generating_policy
 from pipeline.models import EMBEDDED_POLICY
 from pipeline.store import Store
 from schemas.config import RunConfig
@@ -35,7 +36,8 @@ def vllm_config(runs_dir: Path, **sections) -> RunConfig:
         iterations=2,
         task={"rollouts": 16, "group_size": 4, "max_turns": 3},
         generation={"engine": "vllm", "max_new_tokens": 64, "max_context_tokens": 1024},
-        ppo={"minibatch_rollouts": 8, "audit_rescore_fraction": 1.0},
+        ppo={"minibatch_rollouts": 8},
+        audit={"rescore_fraction": 1.0},
         store={"runs_dir": runs_dir},
         **sections,
     )
@@ -132,7 +134,7 @@ def test_the_config_refuses_what_vllm_cannot_do_exactly():
 def mtrl_run(runs_dir: Path, env: dict, *flags: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "pipeline.cli", "run", "--runs-dir", str(runs_dir), "--engine", "vllm"]
     command += ["--iterations", "2", "--rollouts", "16", "--group-size", "4", "--max-turns", "3"]
-    command += ["--set", "generation.max_new_tokens=64", "--set", "ppo.audit_rescore_fraction=1.0", *flags]
+    command += ["--set", "generation.max_new_tokens=64", "--set", "audit.rescore_fraction=1.0", *flags]
     return subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -182,7 +184,7 @@ def test_a_server_killed_mid_turn_fails_the_run_clearly_and_the_same_command_res
     assert [m.iteration for m in updates] == [0, 1]
     for update in updates:
         assert update.extra("audit")["rescore_max_abs_diff"] <= TOLERANCE
-        generating = store.generating_policy("compute-advantages", update.parents["compute-advantages"])
+        generating = generating_policy(store, "compute-advantages", update.parents["compute-advantages"])
         turns = store.load("compute-advantages", update.parents["compute-advantages"])
         assert set(turns["policy_version"]) == {generating}
         policy = load_model(store.policy_dir(generating), "float32", "cpu")
@@ -226,14 +228,15 @@ def test_a_stale_server_fails_the_iterations_audit(engine, tmp_path, prefect_ser
     """A server at vllm.url is updated in place (reload); vLLM's CPU build keeps its pre-packed
     weights through a reload, so iteration 1 samples from a stale engine: the audit stops it
     before ppo-update trains on it. (Runs last: it leaves the module's server stale.)"""
-    from pipeline.flows import close_engine, rl_training
+    from pipeline.flows import rl_training
+    from pipeline.tasks import POLICY_ENGINE
 
     config = vllm_config(tmp_path / "runs", vllm={"url": engine.url})
     with pytest.raises(AuditError, match=r"rescore: stored logprobs differ from the stored policy's by up to"):
         try:
             rl_training(config)
         finally:
-            close_engine()
+            POLICY_ENGINE.close()
     store = Store(tmp_path / "runs")
     assert [m.iteration for m in store.versions("ppo-update")] == [0]  # iteration 0 (fresh weights) trained
     assert not store.versions("ppo-update") or len(store.versions("policy")) == 2  # no policy from iteration 1

@@ -29,7 +29,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from stages.environments import ENVIRONMENTS, CalculatorEnv
-from stages.execute_tools import TOOLS, calculate, tool_schema
+from stages.tools import TOOLS, calculate, tool_schema
 
 HERE = Path(__file__).resolve().parent
 TOKENIZER_DIR = HERE / "tokenizer"
@@ -168,11 +168,11 @@ def evaluate(
     well-formed first call, first call computing the answer, correct final answer;
     guess-number: solved within 50 turns, mean turns to solve; weather: correct answer."""
     from pipeline.evaluate import run_episodes
-    from pipeline.task_mix import task_turn_limits
     from schemas.config import RunConfig
     from stages.assign_rewards import rollout_metrics
     from stages.generate_rollouts.hf import HFEngine
     from stages.policy import eos_token_ids
+    from stages.tasks import task_turn_limits
 
     engine = HFEngine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode)
     results: dict[str, float] = {}

@@ -4,8 +4,9 @@ the tool/environment observation to the rollout as exact chat-template delta tok
 Reads one generate-rollouts round; writes one row per rollout turn with everything known
 about that turn (generation columns + tool calls + observation + termination).
 
-    tools.py   built-in tools (calculate, get_weather, guess), the registry, JSON schemas
     calls.py   parse_tool_calls, argument validation, run_tool_calls (killable processes)
+    worker.py  the sandbox worker process that runs a tool call
+The tools themselves and their registry are stages/tools.py.
 """
 
 from __future__ import annotations
@@ -17,41 +18,12 @@ from typing import Any
 
 import datasets
 
-from schemas.config import GenerationConfig, TaskConfig, ToolsConfig
+from schemas.config import GenerationConfig, RunConfig, TaskConfig, ToolsConfig
 from schemas.features import EXECUTE_TOOLS, FinishReason, StopReason, dataset_from_rows
 from schemas.token_stream import generation_prompt_ids, observation_token_ids
-from stages.execute_tools.calls import (
-    FAILURE_KINDS,
-    NOT_SANDBOXABLE,
-    ToolCall,
-    ToolResult,
-    importable_by_name,
-    parse_tool_calls,
-    run_tool_calls,
-    tool_schema,
-    validate_arguments,
-)
-from stages.execute_tools.tools import TOOLS, calculate, get_weather, guess
-
-__all__ = [
-    "FAILURE_KINDS",
-    "NOT_SANDBOXABLE",
-    "TOOLS",
-    "ToolCall",
-    "ToolResult",
-    "calculate",
-    "execute_tools",
-    "failure_counts",
-    "get_weather",
-    "guess",
-    "importable_by_name",
-    "parse_tool_calls",
-    "run_tool_calls",
-    "tool_schema",
-    "turn_summary",
-    "validate_arguments",
-]
-
+from stages.environments import ENVIRONMENTS
+from stages.execute_tools.calls import FAILURE_KINDS, parse_tool_calls, run_tool_calls
+from stages.tools import TOOLS
 
 # ---------------------------------------------------------------------------------------
 # The stage
@@ -168,6 +140,20 @@ def execute_tools(
             )
         )
     return dataset_from_rows([{**row, **out} for row, out in zip(rows, outputs)], EXECUTE_TOOLS)
+
+
+def execute_turn(turns: datasets.Dataset, tokenizer: Any, config: RunConfig) -> datasets.Dataset:
+    """execute-tools for one turn, with the registered environments and tools and the run config."""
+    return execute_tools(
+        turns,
+        tokenizer,
+        ENVIRONMENTS,
+        TOOLS,
+        task_config=config.task,
+        tools_config=config.tools,
+        generation_config=config.generation,
+        max_workers=config.runner.max_workers,
+    )
 
 
 def turn_summary(dataset: datasets.Dataset) -> dict[str, Any]:

@@ -4,13 +4,12 @@ schema, and run the calls of one message concurrently, each in a killable proces
 Nothing here raises on model output. Every failure becomes a ToolResult whose `content` the
 model can read and whose `error` is one of FAILURE_KINDS. A tool that cannot run as configured
 (the sandbox on, and a tool a worker cannot import) is a configuration error: a ValueError,
-which pipeline/task_mix.py's check_environments raises at run start already.
+which stages/tasks.py's check_environments raises at run start already.
 """
 
 from __future__ import annotations
 
 import atexit
-import functools
 import inspect
 import json
 import os
@@ -29,9 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transformers.utils import get_json_schema
-
-from stages.execute_tools.tools import INJECTED_PARAMETERS
+from stages.tools import INJECTED_PARAMETERS, NOT_SANDBOXABLE, importable_by_name, tool_schema
 
 FAILURE_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout", "crashed")
 
@@ -49,21 +46,6 @@ class ToolResult:
     content: str  # what goes into <tool_response>
     error: str | None = None  # None, or the failure kind: one of FAILURE_KINDS
     call_id: str = ""
-
-
-@functools.cache
-def tool_schema(tool: Callable[..., Any]) -> dict[str, Any]:
-    """The JSON schema the chat template shows the model (OpenAI's function format), from the
-    signature and docstring; injected parameters and transformers' "return" entry are left out."""
-    schema = get_json_schema(tool)
-    function = schema["function"]
-    function.pop("return", None)
-    parameters = function.get("parameters", {})
-    for name in INJECTED_PARAMETERS:
-        parameters.get("properties", {}).pop(name, None)
-        if name in parameters.get("required", []):
-            parameters["required"].remove(name)
-    return schema
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -156,11 +138,6 @@ WORKER_SCRIPT = Path(__file__).with_name("worker.py")
 # How much of a dead worker's stderr its error result quotes: the rollout's `failure` keeps the
 # first 1000 characters of the message, which leaves room for the words around the quote.
 STDERR_TAIL_CHARS = 800
-NOT_SANDBOXABLE = (
-    "cannot run in a sandbox worker, which imports a tool by module and name (a lambda, a closure, "
-    "a method or a function of __main__ cannot be): move it to a module-level function of an importable "
-    "module, or set tools.sandbox: false to run tools in threads, with no kill at the deadline and no memory limit"
-)
 
 
 def _truncate(text: str, max_chars: int) -> str:
@@ -314,16 +291,6 @@ class _WorkerPool:
 
 
 _POOL = _WorkerPool()
-
-
-def importable_by_name(tool: Callable[..., Any]) -> bool:
-    """Can a sandbox worker import this tool by module and name (a module-level function of a
-    module other than __main__)?"""
-    module = sys.modules.get(getattr(tool, "__module__", None) or "")
-    target = module
-    for part in getattr(tool, "__qualname__", "<lambda>").split("."):
-        target = getattr(target, part, None)
-    return module is not None and module.__name__ != "__main__" and target is tool
 
 
 def _call_in_thread(tool: Callable[..., Any], arguments: dict, max_chars: int) -> ToolResult:

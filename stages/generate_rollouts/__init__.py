@@ -17,7 +17,7 @@ from typing import Any
 
 import datasets
 
-from schemas.config import GenerationConfig
+from schemas.config import GenerationConfig, RunConfig
 from schemas.features import GENERATE_ROLLOUTS, FinishReason, dataset_from_rows
 from schemas.token_stream import (
     CONTEXT_CONVENTION,
@@ -28,8 +28,9 @@ from schemas.token_stream import (
 )
 from stages.generate_rollouts import hf, vllm_server  # noqa: F401  (register the "hf" and "vllm" engines)
 from stages.generate_rollouts.engine import ENGINES, Completion, GenerationEngine, Request, Sampling
+from stages.tasks import rollout_starts
 
-__all__ = ["ENGINES", "generate_rollouts", "provenance", "sampling_seed", "split_thinking"]
+__all__ = ["ENGINES", "generate_rollouts", "generate_turn", "provenance", "sampling_seed", "split_thinking"]
 
 
 def sampling_seed(seed: int, iteration: int, rollout_id: int, turn: int) -> int:
@@ -141,6 +142,33 @@ def generate_rollouts(
             content=content,
         )
     return dataset_from_rows(rows, GENERATE_ROLLOUTS), generation.replay
+
+
+def generate_turn(
+    engine: GenerationEngine,
+    tokenizer: Any,
+    config: RunConfig,
+    *,
+    iteration: int,
+    turn: int,
+    policy_version: str,
+    history: datasets.Dataset | None,
+    report_progress: Callable[[float], None] | None = None,
+) -> tuple[datasets.Dataset, dict[str, Any] | None]:
+    """generate-rollouts for one turn of an iteration, configured by the run config: at turn 0
+    the iteration's tasks (stages/tasks.py), later the rollouts of `history` still going on."""
+    return generate_rollouts(
+        engine,
+        tokenizer,
+        config=config.generation,
+        seed=config.seed,
+        iteration=iteration,
+        turn=turn,
+        policy_version=policy_version,
+        starts=rollout_starts(config, iteration) if turn == 0 else None,
+        history=history,
+        report_progress=report_progress,
+    )
 
 
 def provenance(config: GenerationConfig, seed: int, tokenizer: Any) -> dict[str, Any]:

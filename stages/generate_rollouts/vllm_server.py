@@ -39,11 +39,11 @@ from typing import Any
 
 import datasets
 
+from runtime.processes import dies_with_this_thread, free_port
 from schemas.config import GenerationConfig, RunConfig
 from schemas.features import FinishReason
 from stages.generate_rollouts.engine import ENGINES, Completion, Generation, Request, Sampling
 from stages.policy import eos_token_ids, pick_device
-from stages.processes import dies_with_this_thread, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVED_MODEL_NAME = "policy"

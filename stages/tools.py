@@ -1,20 +1,23 @@
-"""Built-in tools and the tool registry.
+"""The tool registry, the JSON schema of a tool, and the built-in tools.
 
 A tool is a typed Python function with a Google-style docstring; the JSON schema the model
 sees is derived from its signature and docstring (`transformers.utils.get_json_schema`). A
 parameter named `task` is not shown to the model: execute-tools passes the rollout's task
-(its hidden state, e.g. the number to guess) into it.
+(its hidden state, e.g. the number to guess) into it. Generation renders the schemas into the
+prompt (stages/tasks.py); execute-tools runs the calls (stages/execute_tools/).
 
-Tools run in a separate, killable worker process by default (see calls.py), which loads a
-tool's module from its file: keep tool modules light (this one imports only the standard
-library) and tools module-level functions; results are converted with str().
+Tools run in a separate, killable worker process by default (stages/execute_tools/calls.py),
+which loads a tool's module from its file: keep tool modules light (this one imports only the
+standard library at import time) and tools module-level functions; results are converted with str().
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import math
 import operator
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -125,3 +128,40 @@ def guess(number: int, task: dict) -> str:
 
 
 TOOLS: dict[str, Callable[..., Any]] = {"calculate": calculate, "get_weather": get_weather, "guess": guess}
+
+
+# ----------------------------------------------------------------------------- what mtrl reads of a tool
+
+
+@functools.cache
+def tool_schema(tool: Callable[..., Any]) -> dict[str, Any]:
+    """The JSON schema the chat template shows the model (OpenAI's function format), from the
+    signature and docstring; injected parameters and transformers' "return" entry are left out."""
+    from transformers.utils import get_json_schema  # heavy: not imported by sandbox workers
+
+    schema = get_json_schema(tool)
+    function = schema["function"]
+    function.pop("return", None)
+    parameters = function.get("parameters", {})
+    for name in INJECTED_PARAMETERS:
+        parameters.get("properties", {}).pop(name, None)
+        if name in parameters.get("required", []):
+            parameters["required"].remove(name)
+    return schema
+
+
+NOT_SANDBOXABLE = (
+    "cannot run in a sandbox worker, which imports a tool by module and name (a lambda, a closure, "
+    "a method or a function of __main__ cannot be): move it to a module-level function of an importable "
+    "module, or set tools.sandbox: false to run tools in threads, with no kill at the deadline and no memory limit"
+)
+
+
+def importable_by_name(tool: Callable[..., Any]) -> bool:
+    """Can a sandbox worker import this tool by module and name (a module-level function of a
+    module other than __main__)?"""
+    module = sys.modules.get(getattr(tool, "__module__", None) or "")
+    target = module
+    for part in getattr(tool, "__qualname__", "<lambda>").split("."):
+        target = getattr(target, part, None)
+    return module is not None and module.__name__ != "__main__" and target is tool

@@ -1,8 +1,12 @@
-"""Prefect settings mtrl needs, applied before `import prefect`.
+"""The Prefect API servers mtrl starts for itself, each a child process that never outlives it
+(runtime/processes.py), run through pipeline/prefect_api_server.py:
 
-Defaults only (a user's own environment wins): telemetry off, PREFECT_HOME inside the runs
-directory instead of ~/.prefect, a startup timeout that survives a first migration on a
-slow machine, and no warnings from stage functions called outside a flow.
+- start_api: the API a run reports to: PREFECT_API_URL when set; else, for the Ray runner, a
+  local `prefect server start` (local_server: Ray workers are other processes and must all
+  report to one API); else a temporary server like Prefect's own, started in the background
+  at once, so that its start overlaps mtrl's imports and checks;
+- a migrated empty database kept once per machine and Prefect version, copied into a new runs
+  directory instead of migrating again (use_database_template).
 """
 
 from __future__ import annotations
@@ -22,46 +26,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from stages.processes import dies_with_this_thread, free_port
-
-
-def prefect_home(runs_dir: str | Path) -> Path:
-    return Path(runs_dir).resolve() / ".prefect"
-
-
-def configure(runs_dir: str | Path) -> None:
-    configure_environment(runs_dir)
-    quiet_libraries()
-
-
-def configure_environment(runs_dir: str | Path) -> None:
-    home = prefect_home(runs_dir)
-    defaults = {
-        "DO_NOT_TRACK": "1",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_HOME": str(home),
-        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
-        "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
-        "PREFECT_UI_ENABLED": "false",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        # Stages log their own one-line summaries; per-save progress bars are noise.
-        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-    }
-    for name, value in defaults.items():
-        os.environ.setdefault(name, value)
-    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
-
-
-def quiet_libraries() -> None:
-    """The progress bars off in datasets and transformers: they read their variables at import,
-    which may have happened before configure()."""
-    import datasets
-    import transformers
-
-    datasets.disable_progress_bars()
-    transformers.utils.logging.disable_progress_bar()
+from pipeline import prefect_patches
+from pipeline.prefect_settings import configure, prefect_home
+from runtime.processes import dies_with_this_thread, free_port
 
 
 @contextlib.contextmanager
@@ -145,7 +112,6 @@ def _healthy(url: str) -> bool:
 # running every migration and registering the block types. The result is the same for every
 # new database of one Prefect version: it is kept once per machine (a cache: safe to delete)
 # and copied into the next new PREFECT_HOME. A database that exists is never replaced.
-DATABASE_FILES = ("prefect.db", "memo_store.toml")  # the database; the memo of registered block types
 
 
 def database_template_dir() -> Path | None:
@@ -176,7 +142,7 @@ def use_database_template(home: Path) -> str:
     with starting_alone(home):  # two runs on one new runs directory: one copies, the other finds it
         if (home / "prefect.db").exists():
             return "existing"
-        for name in DATABASE_FILES:
+        for name in prefect_patches.DATABASE_FILES:
             if (template / name).is_file():
                 partial = home / f".{name}.{os.getpid()}.tmp"
                 shutil.copyfile(template / name, partial)
@@ -204,30 +170,6 @@ def save_database_template(home: Path) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-def temporary_server_command(port: int) -> list[str]:
-    """What Prefect runs as its temporary server (prefect.server.api.server.SubprocessASGIServer):
-    the API app under uvicorn, marked ephemeral (no UI, only the services a temporary server
-    runs), `launched`."""
-    import importlib.util
-
-    prefect_parent = Path(importlib.util.find_spec("prefect").origin).parent.parent  # no `import prefect` here
-    return launched(
-        "uvicorn",
-        "--app-dir",
-        str(prefect_parent),
-        "--factory",
-        "prefect.server.api.server:create_app",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--log-level",
-        "error",
-        "--lifespan",
-        "on",
-    )
-
-
 def start_api(runs_dir: str | Path, runner_kind: str) -> Callable[[], bool]:
     """configure(), then start the Prefect API this process reports to, and return `wait()`,
     which blocks until the API answers and says whether it is this process's own (stopped at
@@ -240,14 +182,7 @@ def start_api(runs_dir: str | Path, runner_kind: str) -> Callable[[], bool]:
     config, instead of before them. Its URL is fixed now, before anything imports Prefect (which
     reads PREFECT_API_URL when imported), so this process never starts Prefect's own server.
     Servers on one database start one at a time (starting_alone)."""
-    configure_environment(runs_dir)
-    try:
-        return _start_api(runs_dir, runner_kind)
-    finally:
-        quiet_libraries()  # heavy imports: after the server's start
-
-
-def _start_api(runs_dir: str | Path, runner_kind: str) -> Callable[[], bool]:
+    configure(runs_dir)
     if os.environ.get("PREFECT_API_URL"):
         return lambda: False
     if runner_kind == "ray":
@@ -263,7 +198,7 @@ def _start_api(runs_dir: str | Path, runner_kind: str) -> Callable[[], bool]:
             database = use_database_template(home)
             # the template is migrated for this Prefect version: its check (alembic) costs ~0.2 s
             migrate = {"PREFECT_API_DATABASE_MIGRATE_ON_START": "false"} if database == "copied" else {}
-            command = temporary_server_command(port)
+            command = launched(*prefect_patches.temporary_server_arguments(port))
             started["server"] = _start_server(home, command, port, timeout_s, {**environment, **migrate})
             if database == "new":
                 save_database_template(home)
@@ -285,7 +220,7 @@ def _start_api(runs_dir: str | Path, runner_kind: str) -> Callable[[], bool]:
     atexit.register(stop)
     os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
     # what Prefect sets for its temporary server: the app without UI, with a temporary server's services
-    environment = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1"}
+    environment = {**os.environ, **prefect_patches.TEMPORARY_SERVER_ENVIRONMENT}
     starting.start()
 
     def wait() -> bool:
@@ -306,29 +241,3 @@ def _start_ray_server(runs_dir: str | Path) -> bool:
     print(f"started a Prefect server for the Ray workers at {url} (PREFECT_API_URL)", file=sys.stderr)
     os.environ["PREFECT_API_URL"] = url
     return True
-
-
-def configure_api(runs_dir: str | Path, runner_kind: str) -> bool:
-    """start_api(...) and wait for it: whether the API is this process's own."""
-    return start_api(runs_dir, runner_kind)()
-
-
-@contextlib.contextmanager
-def flow_heartbeats(enabled: bool) -> Iterator[None]:
-    """Flow-run heartbeats on or off for the flow runs started inside.
-
-    A heartbeat lets a Prefect server that outlives the process (zombie detection, an
-    automation on its server) mark a run Crashed when its process dies without a word. It costs
-    every flow run up to 1 s at its end: Prefect joins the heartbeat thread, which sleeps in 1 s
-    steps. So mtrl turns it off where nothing can read it: on an API this process started and
-    stops at exit (Prefect's temporary server, the Ray runner's local server), and for the
-    iterations inside an rl-training run, whose own heartbeat covers the process they run in.
-    A crash still shows: the iterations' stage tasks stay un-Completed, the store keeps no half
-    version (atomic writes) and the next run redoes only what is missing."""
-    if enabled:
-        yield
-        return
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-
-    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):  # the env var cannot say None
-        yield

@@ -1,12 +1,12 @@
 """One training process of a ppo-update on several processes (ppo.world_size > 1).
 
-pipeline/distributed.py starts world_size of them with torchrun, on this machine or on
-ppo.nodes nodes of a Ray cluster (one torchrun per node):
+launch.py starts world_size of them with torchrun, on this machine or on ppo.nodes nodes of
+a Ray cluster (one torchrun per node):
 
     torchrun --nnodes K --nproc-per-node N/K --rdzv-backend c10d --rdzv-endpoint HOST:PORT ... \\
-        -m pipeline.ppo_worker WORK/request.json
+        -m stages.ppo_update.worker WORK/request.json
 
-request.json names the compute-advantages dataset (a folder of the store, audited and
+request.json (write_request) names the compute-advantages dataset (a folder of the store, audited and
 digest-checked by the task), the policy folder to train, the run config and the seed. Every
 rank trains its share with stages.ppo_update.train_policy; rank 0 then writes the next
 policy's files into WORK/policy/ and WORK/result.json (the metrics rows, how much AdamW
@@ -27,13 +27,29 @@ import datasets
 import torch
 import torch.distributed as dist
 
-from pipeline.memory import peak_memory
+from runtime.memory import peak_memory
 from schemas.config import RunConfig
 from stages.ppo_update import train_policy
 from stages.sharding import init_ranks
 
 PROGRESS = "mtrl-progress"  # rank 0 prints "mtrl-progress 0.25" after each optimiser step (share done)
 REQUEST, RESULT, POLICY_FILES = "request.json", "result.json", "policy"
+
+
+def write_request(
+    work: Path, *, turns_dir: Path, policy_dir: Path, config: RunConfig, train_critic: bool, seed: int
+) -> Path:
+    """WORK/request.json: what every rank of the job trains on and how (read back by main)."""
+    request = work / REQUEST
+    payload = {
+        "turns": str(turns_dir),
+        "policy_dir": str(policy_dir),
+        "config": config.model_dump(mode="json"),
+        "train_critic": train_critic,
+        "seed": seed,
+    }
+    request.write_text(json.dumps(payload))
+    return request
 
 
 def progress_reporter(rank: int, memory: dict[str, float]) -> Callable[[float], None]:

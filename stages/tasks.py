@@ -1,5 +1,6 @@
-"""The iteration's tasks: user plugins, the task mix, turn limits and the code versions of the
-environments and tools in use (what the flow needs before any stage runs)."""
+"""The iteration's tasks: user plugins, the task mix, turn limits, the first messages of each
+rollout (which generate-rollouts renders at turn 0) and the code versions of the environments
+and tools in use."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import random
 import sys
 from typing import Any
 
-from pipeline.stage_table import source_version
+from runtime.hashing import source_version
 from schemas.config import RunConfig
-from stages import execute_tools
 from stages.environments import ENVIRONMENTS
+from stages.tools import NOT_SANDBOXABLE, TOOLS, importable_by_name, tool_schema
 
 
 def load_plugins(modules: list[str]) -> None:
@@ -33,7 +34,7 @@ def environment_code(config: RunConfig) -> dict[str, str]:
     for name, _ in config.task.mix():
         environment = ENVIRONMENTS[name]
         files = {inspect.getsourcefile(type(environment))}
-        files |= {inspect.getsourcefile(execute_tools.TOOLS[tool]) for tool in environment.tools}
+        files |= {inspect.getsourcefile(TOOLS[tool]) for tool in environment.tools}
         versions[name] = source_version(*sorted(files))
     return versions
 
@@ -59,21 +60,21 @@ def check_environments(config: RunConfig) -> None:
         environment = ENVIRONMENTS[name]
         if not environment.tools:
             raise ValueError(f"environment '{name}' lists no tools; a tool-using task needs at least one")
-        missing = [tool for tool in environment.tools if tool not in execute_tools.TOOLS]
+        missing = [tool for tool in environment.tools if tool not in TOOLS]
         if missing:
             raise ValueError(
-                f"environment '{name}' uses unregistered tool(s) {missing}; registered: {', '.join(execute_tools.TOOLS)}"
+                f"environment '{name}' uses unregistered tool(s) {missing}; registered: {', '.join(TOOLS)}"
             )
         for tool in environment.tools:
             try:
-                execute_tools.tool_schema(execute_tools.TOOLS[tool])
+                tool_schema(TOOLS[tool])
             except Exception as exc:  # transformers' DocstringParsingException, TypeHintParsingException
                 raise ValueError(
                     f"tool '{tool}' of environment '{name}' has no usable JSON schema: {exc} "
                     "(it needs type hints and a Google-style docstring with an Args section)"
                 ) from None
-            if config.tools.sandbox and not execute_tools.importable_by_name(execute_tools.TOOLS[tool]):
-                raise ValueError(f"tool '{tool}' of environment '{name}' {execute_tools.NOT_SANDBOXABLE}")
+            if config.tools.sandbox and not importable_by_name(TOOLS[tool]):
+                raise ValueError(f"tool '{tool}' of environment '{name}' {NOT_SANDBOXABLE}")
 
 
 def rollout_starts(config: RunConfig, iteration: int) -> list[dict[str, Any]]:
@@ -84,7 +85,7 @@ def rollout_starts(config: RunConfig, iteration: int) -> list[dict[str, Any]]:
     starts = []
     for group_id, name in enumerate(config.task.groups_per_task()):
         environment = ENVIRONMENTS[name]
-        tools = [execute_tools.tool_schema(execute_tools.TOOLS[tool]) for tool in environment.tools]
+        tools = [tool_schema(TOOLS[tool]) for tool in environment.tools]
         try:
             task = environment.sample_task(rng)
             messages = environment.reset(task)

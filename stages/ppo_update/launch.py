@@ -6,7 +6,7 @@ The ppo-update task calls `train_with_torchrun` instead of training in its own p
   1. it writes WORK/request.json (the audited compute-advantages folder, the policy folder,
      the config, the seed) into a hidden folder of the store, removed afterwards (or by the
      store's clean-up of stale temporary folders if this process dies);
-  2. one torchrun per node runs world_size / nodes processes of `-m pipeline.ppo_worker
+  2. one torchrun per node runs world_size / nodes processes of `-m stages.ppo_update.worker
      WORK/request.json` (--max-restarts 0: a failed rank fails the job, it is not retried;
      every line of a rank starts with its global rank, [rank<r>]:):
        - one node: torchrun is a child of this process;
@@ -56,17 +56,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline import ppo_worker
+from runtime.processes import dies_with_this_thread
+from runtime.ray import ray_cluster
 from schemas.config import RunConfig
-from stages.processes import dies_with_this_thread
+from stages.ppo_update import worker
 
-ROOT = Path(__file__).resolve().parent.parent  # the repository the workers must import, as this process does
+ROOT = Path(__file__).resolve().parents[2]  # the repository the workers must import, as this process does
 LAST_LINES = 30  # of each torchrun's own output and of each rank's, kept to quote in a failure
 # TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE: torchrun --tee starts each line of a rank with "[rank<global rank>]:"
 # (its default, "[default<local rank>]:", would repeat the same numbers on every node)
 LINE_PREFIX_TEMPLATE = "[rank${rank}]:"
 RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:")
-PROGRESS_LINE = re.compile(rf"{ppo_worker.PROGRESS} ([0-9]+\.[0-9]+)")
+PROGRESS_LINE = re.compile(rf"{worker.PROGRESS} ([0-9]+\.[0-9]+)")
 # After one node's torchrun failed, the others' ranks fail at their next collective (gloo notices a
 # closed peer within a second): their own reports are awaited this long, then their tasks cancelled.
 FAILURE_GRACE_S = 5.0
@@ -122,7 +123,7 @@ def torchrun_command(
     return [
         sys.executable,
         "-m",
-        "pipeline.torchrun",  # torch.distributed.run that never hangs at exit (see there)
+        "runtime.torchrun",  # torch.distributed.run that never hangs at exit (see there)
         f"--nnodes={nnodes}",
         f"--nproc-per-node={nproc_per_node}",
         "--rdzv-backend=c10d",
@@ -133,7 +134,7 @@ def torchrun_command(
         "--tee=3",  # every line of a rank, prefixed with its rank (LINE_PREFIX_TEMPLATE)
         f"--log-dir={request.parent / 'logs'}",
         "-m",
-        "pipeline.ppo_worker",
+        "stages.ppo_update.worker",
         str(request),
     ]
 
@@ -263,10 +264,8 @@ def node_streams(ray: Any, tasks: dict[Any, int], nodes: list[dict[str, Any]]) -
 @contextlib.contextmanager
 def torchrun_on_ray(config: RunConfig, request: Path) -> Iterator[Job]:
     """The job as one torchrun on each of ppo.nodes distinct nodes of the Ray cluster."""
-    from pipeline.runners import ray_cluster
-
     nodes, per_node = config.ppo.nodes, config.ppo.world_size // config.ppo.nodes
-    with ray_cluster(config.runner, purpose=f"ppo.nodes={nodes}") as ray:
+    with ray_cluster(config.runner.ray_address, purpose=f"ppo.nodes={nodes}") as ray:
         from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -413,20 +412,14 @@ def train_with_torchrun(
     """Run the ppo-update as config.ppo.world_size processes on config.ppo.nodes nodes; returns
     rank 0's results from `work`."""
     work.mkdir(parents=True)
-    request = work / ppo_worker.REQUEST
-    payload = {
-        "turns": str(turns_dir),
-        "policy_dir": str(policy_dir),
-        "config": config.model_dump(mode="json"),
-        "train_critic": train_critic,
-        "seed": seed,
-    }
-    request.write_text(json.dumps(payload))
+    request = worker.write_request(
+        work, turns_dir=turns_dir, policy_dir=policy_dir, config=config, train_critic=train_critic, seed=seed
+    )
     nodes = config.ppo.nodes
     log(f"ppo-update on {config.ppo.world_size} processes, {config.ppo.world_size // nodes} on each of {nodes} node(s)")
     launch = torchrun_on_ray if nodes > 1 else torchrun_here
     with launch(config, request) as job:
         ranks_on = supervise(job, config.ppo.world_size, log, report_progress)
-    result = json.loads((work / ppo_worker.RESULT).read_text())
+    result = json.loads((work / worker.RESULT).read_text())
     placement = [{**where, "ranks": sorted(ranks_on[node])} for node, where in enumerate(job.nodes)]
-    return TrainedOnRanks(work / ppo_worker.POLICY_FILES, **result, nodes=placement)
+    return TrainedOnRanks(work / worker.POLICY_FILES, **result, nodes=placement)

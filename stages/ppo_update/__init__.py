@@ -11,7 +11,9 @@ Read top to bottom:
   3. the optimisation loop: epochs x shuffled mini-batches x gradient-accumulated micro-batches;
   4. train_policy: the stage, from a stored policy to the next one.
 
-Loading, scoring (logprobs, values, KL estimators) and saving a policy are stages/policy.py's.
+Loading and scoring a policy (logprobs, values, KL estimators) are stages/policy.py's; saving it
+with its AdamW state is checkpoint.py's. With ppo.world_size > 1, launch.py starts the ranks
+under torchrun (here or on Ray nodes) and each runs worker.py, which calls train_policy.
 Convention: logprob = log_softmax(logits / temperature)[token], as at generation time.
 """
 
@@ -31,18 +33,16 @@ from tqdm.auto import tqdm
 
 from schemas.config import PPOConfig
 from stages.policy import (
+    RolloutSequence,
     Scorer,
-    Sequence,
     ValueHead,
     collate,
     kl_estimate,
     load_model,
-    load_optimizer_state,
     load_tokenizer,
-    optimizer_tensors,
     rollout_sequences,
-    save_policy,
 )
+from stages.ppo_update.checkpoint import load_optimizer_state, optimizer_tensors, save_policy
 from stages.sharding import SINGLE, Ranks, grad_norm, passes, shard_model
 
 # ---------------------------------------------------------------------------------------
@@ -158,14 +158,14 @@ def aggregate(
 # ---------------------------------------------------------------------------------------
 
 
-def micro_batches(sequences: list[Sequence], rollouts: int, max_tokens: int) -> list[list[Sequence]]:
+def micro_batches(sequences: list[RolloutSequence], rollouts: int, max_tokens: int) -> list[list[RolloutSequence]]:
     """Split sequences into forward/backward passes: `rollouts` at a time, or, with
     max_tokens > 0, first-fit-decreasing bins of at most max_tokens tokens (a longer rollout
     gets a bin of its own), which collate packs into one row: memory follows the token
     budget, not the longest rollout times the number of rollouts."""
     if max_tokens <= 0:
         return [sequences[i : i + rollouts] for i in range(0, len(sequences), rollouts)]
-    bins: list[list[Sequence]] = []
+    bins: list[list[RolloutSequence]] = []
     room: list[int] = []
     for seq in sorted(sequences, key=lambda s: len(s.token_ids), reverse=True):
         fits = next((b for b, free in enumerate(room) if free >= len(seq.token_ids)), None)
@@ -234,7 +234,7 @@ def ppo_update(
     # generation logprobs differ once kernels or precision differ, which TIS corrects for.
     packed = config.max_tokens_per_micro_batch > 0
 
-    def split(share: list[Sequence]) -> list[list[Sequence]]:
+    def split(share: list[RolloutSequence]) -> list[list[RolloutSequence]]:
         return micro_batches(share, config.micro_batch_rollouts, config.max_tokens_per_micro_batch)
 
     if config.recompute_old_logprobs is not False:  # null: the caller knows no better (RunConfig resolves it)
@@ -383,7 +383,7 @@ def train_policy(
     policy). With ppo.lora_rank > 0 fresh adapters are trained and merged afterwards, so the
     next policy is a plain checkpoint (and there is no optimiser to continue).
 
-    With several `ranks` (under torchrun, see stages/ppo_worker.py) the policy is sharded with
+    With several `ranks` (under torchrun, see stages/ppo_update/worker.py) the policy is sharded with
     FSDP2 and the value head replicated; rank 0 gets the trained policy back whole, the other
     ranks None."""
     model, tokenizer = load_model(policy_dir, "float32", device), load_tokenizer(str(policy_dir))

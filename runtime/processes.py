@@ -1,9 +1,9 @@
 """Child processes that mtrl starts (a vLLM server, torchrun, its Prefect servers): a port for
 them, and a lifetime no longer than the thread that started them.
 
-    python stages/processes.py PARENT_PID MODULE ARGS...   (what dies_with_this_thread runs)
+    python runtime/processes.py PARENT_PID MODULE ARGS...   (what dies_with_this_thread runs)
 
-Standard library only: pipeline/prefect_env.py imports it before anything heavy, and other
+Standard library only: pipeline/prefect_servers.py imports it before anything heavy, and other
 Pythons (a vLLM environment) run it.
 """
 

@@ -1,0 +1,89 @@
+"""What an RL run's versions say about each other, read from their manifests.
+
+The store (store.py) knows versions, parents and files; these queries know what the stages
+mean: an iteration's turns are a chain of execute-tools versions, a policy was trained by a
+ppo-update from the policy that generated its rollouts, the first policy is the KL reference,
+and each stage records the part of the run config its output depends on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import datasets
+
+from pipeline.stage_table import POLICY
+from pipeline.store import Store
+from schemas.config import RunConfig, deep_merge
+
+
+def turns_of(store: Store, tools_version: str) -> list[str]:
+    """The execute-tools versions of every turn of an iteration up to this one, oldest first
+    (each turn's generate-rollouts version names the previous turn's execute-tools version)."""
+    chain: list[str] = []
+    current: str | None = tools_version
+    while current is not None:
+        chain.append(current)
+        generated = store.manifest("execute-tools", current).parents["generate-rollouts"]
+        current = store.manifest("generate-rollouts", generated).parents.get("execute-tools")
+    return chain[::-1]
+
+
+def load_turns(store: Store, tools_version: str) -> datasets.Dataset:
+    """Every turn of an iteration up to this execute-tools version, in one dataset."""
+    return datasets.concatenate_datasets([store.load("execute-tools", v) for v in turns_of(store, tools_version)])
+
+
+def latest_policy(store: Store) -> str | None:
+    """The newest policy of the store (the highest iteration, then the newest write)."""
+    policies = store.versions(POLICY)
+    if not policies:
+        return None
+    newest = max(policies, key=lambda m: (-1 if m.iteration is None else m.iteration, m.created_at))
+    return newest.version
+
+
+def reference_policy(store: Store, policy_version: str) -> str:
+    """The starting policy of a policy's lineage (the imported model): the KL reference."""
+    version = policy_version
+    while parents := store.manifest(POLICY, version).parents:
+        version = store.manifest("ppo-update", parents["ppo-update"]).parents[POLICY]
+    return version
+
+
+def generating_policy(store: Store, stage: str, version: str) -> str:
+    """The policy that generated the rollouts a version was computed from."""
+    return store.ancestor(stage, version, "generate-rollouts").parents[POLICY]
+
+
+def lineage_config(store: Store, stage: str, version: str) -> dict[str, Any]:
+    """The config recorded along a version's lineage, as a partial run config: each stage
+    records the fields its output depends on; the newest record of a field wins. Fields this
+    mtrl no longer has (a store written by an older one) are left out."""
+    merged: dict[str, Any] = {}
+    for manifest in reversed(store.lineage(stage, version)):
+        merged = deep_merge(merged, known_fields(manifest.config, RunConfig.model_fields))
+    return merged
+
+
+def known_fields(recorded: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """The part of a recorded (partial) config that names fields of the config model."""
+    known = {}
+    for name, value in recorded.items():
+        if name not in fields:
+            continue
+        section = fields[name].annotation
+        is_section = isinstance(value, dict) and hasattr(section, "model_fields")
+        known[name] = known_fields(value, section.model_fields) if is_section else value
+    return known
+
+
+def rebuild_hint(store: Store, stage: str, version: str) -> str:
+    """How to get a missing trained policy back: the ppo-update that wrote it, run again."""
+    if stage != POLICY or not (store.root / "ppo-update").is_dir():
+        return ""
+    for update in store.versions("ppo-update"):
+        if update.policy == version:
+            source = f"compute-advantages/{update.parents['compute-advantages']}"
+            return f"; ppo-update/{update.version} wrote it: `mtrl stage ppo-update --from {source}` rebuilds it"
+    return ""

@@ -1,0 +1,421 @@
+"""The Prefect task of each stage: load its inputs from the store, call its pure function in
+stages/, write its dataset as a new version (docs/architecture.md).
+
+A version is known before its task runs (stage_version: the stage table's config fields,
+derived values and code, the position, the input versions), and the task is passed it. The
+store on disk is the truth:
+- a version already on disk is never recomputed (the task returns at once), and
+- Prefect's cache (keyed by version) is refreshed whenever that version is missing on disk,
+  so a cache hit can never point at deleted data.
+
+The stages that run on one stored input (assign-rewards, compute-advantages, ppo-update) find
+their other inputs through the lineage (INPUTS): the flow and `mtrl stage` call them the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from uuid import UUID, uuid4
+
+import datasets
+from prefect import get_run_logger, task
+
+from pipeline import artifacts, lineage
+from pipeline.artifacts import ppo_progress, publish_stage, turn_progress
+from pipeline.audit import audit_before_training
+from pipeline.models import resolve_model_dir
+from pipeline.runners import map_row_shards
+from pipeline.stage_table import POLICY, STAGES
+from pipeline.store import TMP_PREFIX, Store, copy_files
+from runtime.hashing import file_digests, version_key
+from runtime.memory import peak_memory
+from schemas.config import RunConfig
+from schemas.features import PPO_UPDATE, dataset_from_rows, token_counts
+from stages import assign_rewards, compute_advantages, execute_tools, generate_rollouts, ppo_update
+from stages.environments import ENVIRONMENTS
+from stages.generate_rollouts.engine import GenerationEngine, open_engine
+from stages.policy import load_tokenizer
+from stages.ppo_update.launch import train_with_torchrun
+from stages.tasks import load_plugins, task_turn_limits, turn_limit
+
+POLICY_CODE_VERSION = "1"  # the layout of a stored policy (a save_pretrained folder + optimiser state)
+Inputs = tuple[dict[str, str], dict[str, int]]  # a stage run's parents (stage -> version) and position
+
+
+def stage_version(config: RunConfig, stage: str, parents: dict[str, str], position: dict[str, int]) -> str:
+    """The version a stage's output will have: known before it runs."""
+    table = STAGES[stage]
+    hashed = {
+        "config": table.recorded_config(config),
+        "derived": table.derived_values(config),
+        "position": position,  # iteration and turn: the same config gives new rollouts each turn
+    }
+    return version_key(stage, table.code_version, hashed, parents)
+
+
+def import_base_policy(store: Store, config: RunConfig) -> str:
+    """Store the starting model as the policy version of iteration -1. Its files are copied
+    into the store, so the runs dir stands alone: moved or copied to another machine it keeps
+    its lineage root. The version is the hash of the files, so the same model imported from
+    anywhere is the same version."""
+    model_dir = resolve_model_dir(config.model.path)
+    load_tokenizer(model_dir)  # fail early, before any work, if it has no chat template
+    digests = file_digests(model_dir)
+    version = version_key(POLICY, POLICY_CODE_VERSION, {"source_files": digests}, {})
+
+    def fill(tmp: Path) -> dict[str, Any]:
+        copy_files(model_dir, tmp, digests)
+        return {"imported_from": str(model_dir)}
+
+    store.write(POLICY, version, fill, {"iteration": -1, "code_version": POLICY_CODE_VERSION})
+    return version
+
+
+# ---------------------------------------------------------------------------------------
+# The generation engine of the current policy, one per process
+# ---------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4)
+def cached_tokenizer(model_dir: str) -> Any:
+    return load_tokenizer(model_dir)
+
+
+class PolicyEngine:
+    """The engine serving the current policy, kept from turn to turn (it holds the rollouts'
+    caches). When the next iteration's policy replaces it, an engine that reloads in place (a
+    vLLM server's weight reload) loads the new checkpoint; any other is opened again on it."""
+
+    def __init__(self) -> None:
+        self.engine: GenerationEngine | None = None
+        self.settings: str | None = None  # the config fields an open engine was opened with
+        self.model_dir: str | None = None
+
+    def serving(self, store: Store, config: RunConfig, policy_version: str) -> GenerationEngine:
+        model_dir = str(store.policy_dir(policy_version))
+        settings = config.model_dump_json(
+            include={"generation": {"engine"}, "model": {"dtype", "device"}, "vllm": True}
+        )
+        if self.engine is not None and self.settings == settings and self.model_dir != model_dir:
+            if self.engine.reloads_in_place:
+                self.engine.load_policy(model_dir)
+                self.model_dir = model_dir
+        if self.engine is None or (self.settings, self.model_dir) != (settings, model_dir):
+            self.close()
+            self.engine = open_engine(model_dir, cached_tokenizer(model_dir), config)
+            self.settings, self.model_dir = settings, model_dir
+        return self.engine
+
+    def close(self, unless_it_reloads: bool = False) -> None:
+        """Close the open engine (a vLLM server mtrl started stops). After an iteration's turns an
+        engine that would be reopened on the next policy anyway is closed at once, so that its
+        memory (weights, KV cache) is free for the update."""
+        if self.engine is not None and not (unless_it_reloads and self.engine.reloads_in_place):
+            self.engine.close()
+            self.engine = self.settings = self.model_dir = None
+
+
+POLICY_ENGINE = PolicyEngine()  # the stage tasks run in the flow's process share it
+
+
+# ---------------------------------------------------------------------------------------
+# Stage tasks
+# ---------------------------------------------------------------------------------------
+
+
+def on_disk(store: Store, stage: str, version: str) -> bool:
+    """Is this output whole on disk? ppo-update's output is its metrics dataset and the policy
+    it wrote: a deleted policy folder is rebuilt by running the update again."""
+    if not store.exists(stage, version):
+        return False
+    return stage != "ppo-update" or store.exists(POLICY, store.manifest(stage, version).policy)
+
+
+Compute = Callable[..., tuple[datasets.Dataset, dict[str, Any]]]
+
+
+def stage_task(stage: str) -> Callable[[Compute], Any]:
+    """Turn `compute(store, config, version, parents, **position) -> (dataset, manifest fields)`
+    into the Prefect task that writes that version of `stage`: it returns at once when the
+    version is on disk, is cached by version, and its result (the version) is JSON, never a pickle."""
+
+    def decorate(compute: Compute) -> Any:
+        def write_version(
+            config: RunConfig,
+            version: str,
+            parents: dict[str, str],
+            position: dict[str, int] | None = None,
+            progress_artifact: UUID | None = None,
+        ) -> str:
+            store = Store(config.store.runs_dir)
+            if on_disk(store, stage, version):
+                return version
+            table = STAGES[stage]
+            unexpected = set(parents) - set(table.inputs)
+            if unexpected:
+                raise ValueError(f"{stage} does not read {sorted(unexpected)}; its inputs: {table.inputs}")
+            started = time.time()
+            # generation updates the iteration's progress bar, which outlives its task runs
+            progress = {"progress_artifact": progress_artifact} if progress_artifact else {}
+            dataset, fields = compute(store, config, version, parents, **(position or {}), **progress)
+            # the iteration its rows belong to: its position, or its input dataset's
+            inherited = [store.manifest(name, parent).iteration for name, parent in parents.items() if name in STAGES]
+            manifest = {
+                "parents": parents,
+                "config": table.recorded_config(config),
+                "derived": table.derived_values(config),
+                "iteration": inherited[0] if inherited else None,
+                **(position or {}),
+                "code_version": table.code_version,
+                "tokens": token_counts(dataset),
+                "wall_s": round(time.time() - started, 3),
+                "process": {"host": socket.gethostname(), "pid": os.getpid()},  # where it ran (runner)
+                **fields,
+            }
+            store.write_dataset(stage, version, dataset, manifest)
+            get_run_logger().info("%s/%s: %d rows in %.1f s", stage, version, len(dataset), time.time() - started)
+            publish_stage(store, stage, version)
+            if config.runner.kind == "ray":  # this may be a Ray worker: it can end before its artifacts are sent
+                artifacts.flush()
+            return version
+
+        return task(
+            write_version,
+            name=stage,
+            cache_key_fn=lambda context, parameters: f"{stage}/{parameters['version']}",
+            result_serializer="json",
+            persist_result=True,
+        )
+
+    return decorate
+
+
+@functools.lru_cache(maxsize=64)
+def configured_task(prefect_task: Any, refresh_cache: bool, result_storage: Path) -> Any:
+    """The stage task with these options: made once per process (a new Task reads its
+    function's source, ~1.5 ms, and a default run calls a stage task ~110 times)."""
+    return prefect_task.with_options(refresh_cache=refresh_cache, result_storage=result_storage)
+
+
+def run_stage(
+    prefect_task: Any,
+    config: RunConfig,
+    parents: dict[str, str],
+    position: dict[str, int] | None = None,
+    runner: Any | None = None,
+    progress_artifact: UUID | None = None,
+) -> str:
+    """Run a stage task on these inputs (in this process, or on `runner` for the stages the
+    table marks distributed); its version is known before it runs."""
+    stage = prefect_task.name
+    position = position or {}
+    version = stage_version(config, stage, parents, position)
+    store = Store(config.store.runs_dir)
+    configured = configured_task(prefect_task, not on_disk(store, stage, version), store.root / ".prefect" / "results")
+    parameters = {"config": config, "version": version, "parents": parents, "position": position}
+    if progress_artifact is not None:
+        parameters["progress_artifact"] = progress_artifact
+    if runner is not None and STAGES[stage].distributed:
+        return runner.submit(configured, parameters).result()
+    return configured(**parameters)
+
+
+@stage_task("generate-rollouts")
+def generate_rollouts_task(
+    store: Store,
+    config: RunConfig,
+    version: str,
+    parents: dict[str, str],
+    iteration: int,
+    turn: int,
+    progress_artifact: UUID | None = None,
+) -> tuple[datasets.Dataset, dict[str, Any]]:
+    policy_version, previous = parents[POLICY], parents.get("execute-tools")
+    tokenizer = cached_tokenizer(str(store.policy_dir(policy_version)))
+    history = lineage.load_turns(store, previous) if previous else None
+    engine = POLICY_ENGINE.serving(store, config, policy_version)
+    dataset, replay = generate_rollouts.generate_turn(
+        engine,
+        tokenizer,
+        config,
+        iteration=iteration,
+        turn=turn,
+        policy_version=policy_version,
+        history=history,
+        report_progress=turn_progress(progress_artifact, iteration, turn, turn_limit(config)),
+    )
+    provenance = generate_rollouts.provenance(config.generation, config.seed, tokenizer) | {"engine": engine.describe()}
+    # a cold engine (a resumed run) replays the earlier turns first; 0.0 means bit-identical
+    return dataset, {"provenance": provenance, "replay": replay}
+
+
+def execute_shard(turns: datasets.Dataset, model_dir: str, config: RunConfig) -> datasets.Dataset:
+    """execute-tools on some of a turn's rows (all of them, or one Ray shard)."""
+    load_plugins(config.task.plugins)  # a Ray worker has not imported them yet
+    return execute_tools.execute_turn(turns, cached_tokenizer(model_dir), config)
+
+
+@stage_task("execute-tools")
+def execute_tools_task(
+    store: Store, config: RunConfig, version: str, parents: dict[str, str]
+) -> tuple[datasets.Dataset, dict[str, Any]]:
+    load_plugins(config.task.plugins)  # a Ray worker has not imported them yet
+    turns = store.load("generate-rollouts", parents["generate-rollouts"])
+    policy_version = store.manifest("generate-rollouts", parents["generate-rollouts"]).parents[POLICY]
+    dataset = map_row_shards(execute_shard, turns, config.runner, str(store.policy_dir(policy_version)), config)
+    return dataset, {"turn": turns[0]["turn"] if len(turns) else None, **execute_tools.turn_summary(dataset)}
+
+
+@stage_task("assign-rewards")
+def assign_rewards_task(
+    store: Store, config: RunConfig, version: str, parents: dict[str, str]
+) -> tuple[datasets.Dataset, dict[str, Any]]:
+    load_plugins(config.task.plugins)  # a Ray worker has not imported them yet
+    turns = lineage.load_turns(store, parents["execute-tools"])
+    dataset = assign_rewards.assign_rewards(turns, ENVIRONMENTS, config.reward)
+    return dataset, {"metrics": assign_rewards.rollout_metrics(dataset, task_turn_limits(config))}
+
+
+@stage_task("compute-advantages")
+def compute_advantages_task(
+    store: Store, config: RunConfig, version: str, parents: dict[str, str]
+) -> tuple[datasets.Dataset, dict[str, Any]]:
+    turns = store.load("assign-rewards", parents["assign-rewards"])
+    reference = parents.get(f"{POLICY}#reference")
+    # the first iteration's rollouts come from the reference policy itself
+    reference_generated = (
+        reference == lineage.generating_policy(store, "assign-rewards", parents["assign-rewards"])
+        and config.exact_generation_logprobs()
+    )
+    scored = compute_advantages.score_with_policies(
+        turns,
+        critic_dir=store.policy_dir(parents[POLICY]) if POLICY in parents else None,
+        reference_dir=store.policy_dir(reference) if reference else None,
+        ppo=config.ppo,
+        temperature=config.generation.temperature,
+        device=config.model.device,
+        reference_generated=reference_generated,
+    )
+    dataset = compute_advantages.compute_advantages(turns, config.advantage, **scored)
+    reference_logprobs = None if reference is None else "generation" if reference_generated else "scored"
+    return dataset, {
+        "metrics": compute_advantages.advantage_metrics(dataset),
+        "reference_logprobs": reference_logprobs,
+    }
+
+
+@stage_task("ppo-update")
+def ppo_update_task(
+    store: Store, config: RunConfig, version: str, parents: dict[str, str], iteration: int
+) -> tuple[datasets.Dataset, dict[str, Any]]:
+    """Train the policy on the iteration's rollouts (in this process, or as ppo.world_size
+    processes under torchrun, here or on ppo.nodes Ray nodes); write the next policy, then the metrics."""
+    turns = store.load("compute-advantages", parents["compute-advantages"])
+    report = audit_before_training(store, parents["compute-advantages"], turns, config, seed=config.seed + iteration)
+    recompute = config.recomputes_old_logprobs()  # exact generation logprobs are the old ones (the audit re-scored)
+    ppo = config.ppo.model_copy(update={"recompute_old_logprobs": recompute})
+    training = {
+        "train_critic": config.advantage.estimator in compute_advantages.NEEDS_VALUES,
+        "seed": config.seed + iteration,
+        "report_progress": ppo_progress(iteration),
+    }
+    work = store.root / "ppo-update" / f"{TMP_PREFIX}{version}-train-{os.getpid()}-{uuid4().hex[:8]}"
+    placement: dict[str, Any] = {}  # several processes: where each rank ran
+    try:
+        with peak_memory() as memory:  # this stage's own peak (resident set; CUDA allocator)
+            if config.ppo.world_size == 1:
+                trained = ppo_update.train_policy(
+                    turns,
+                    store.policy_dir(parents[POLICY]),
+                    config=ppo,
+                    temperature=config.generation.temperature,
+                    device=config.model.device,
+                    **training,
+                )
+            else:
+                trained = train_with_torchrun(
+                    config.model_copy(update={"ppo": ppo}),
+                    turns_dir=store.path("compute-advantages", parents["compute-advantages"]),
+                    policy_dir=store.policy_dir(parents[POLICY]),
+                    work=work,
+                    log=get_run_logger().info,
+                    **training,
+                )
+                # the largest rank's peak, as one process reports its own; then each rank's
+                ranks = trained.memory_per_rank
+                memory = {name: max(rank[name] for rank in ranks) for name in ("rss_before_mb", "peak_rss_mb")}
+                memory["ranks"] = ranks
+                placement["nodes"] = trained.nodes
+        next_policy = version_key(POLICY, POLICY_CODE_VERSION, {}, {"ppo-update": version})
+        policy_manifest = {
+            "parents": {"ppo-update": version},
+            "code_version": POLICY_CODE_VERSION,
+            "iteration": iteration,
+        }
+        # a rebuilt policy (its folder was deleted) must be the bytes that later versions were made from
+        written_before = (
+            store.manifest("ppo-update", version).extra("policy_files") if store.exists("ppo-update", version) else None
+        )
+        written = store.write(POLICY, next_policy, trained.save, policy_manifest, expected_files=written_before)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return dataset_from_rows(trained.metrics, PPO_UPDATE), {
+        "metrics": ppo_update.metrics_summary(trained.metrics),
+        "audit": report.as_dict(),
+        "memory": memory,
+        "optimizer_state_restored": trained.optimizer_state_restored,
+        "old_logprobs": "recomputed" if recompute else "generation",
+        "policy": next_policy,
+        "policy_files": written.files,
+        **placement,
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# The stages that run on one stored input, and how each finds its other inputs
+# ---------------------------------------------------------------------------------------
+
+
+def reward_inputs(config: RunConfig, store: Store, last_turn: str) -> Inputs:
+    """assign-rewards reads the last turn's execute-tools version (it names the earlier ones)."""
+    return {"execute-tools": last_turn}, {}
+
+
+def advantage_inputs(config: RunConfig, store: Store, rewarded: str) -> Inputs:
+    """compute-advantages reads the generating policy (critic values) and the reference
+    policy (KL penalty) only when the config uses them."""
+    parents = {"assign-rewards": rewarded}
+    policy = lineage.generating_policy(store, "assign-rewards", rewarded)
+    if config.advantage.estimator in compute_advantages.NEEDS_VALUES:
+        parents[POLICY] = policy
+    if config.ppo.kl_coef > 0:
+        parents[f"{POLICY}#reference"] = lineage.reference_policy(store, policy)
+    return parents, {}
+
+
+def update_inputs(config: RunConfig, store: Store, advantaged: str) -> Inputs:
+    """ppo-update trains the policy that generated the rollouts; its position is their iteration."""
+    rollouts = store.ancestor("compute-advantages", advantaged, "generate-rollouts")
+    return {"compute-advantages": advantaged, POLICY: rollouts.parents[POLICY]}, {"iteration": rollouts.iteration}
+
+
+# stage -> (its task, its inputs from the one stored input named by the stage table's rerun_from)
+ON_ONE_INPUT: dict[str, tuple[Any, Callable[[RunConfig, Store, str], Inputs]]] = {
+    "assign-rewards": (assign_rewards_task, reward_inputs),
+    "compute-advantages": (compute_advantages_task, advantage_inputs),
+    "ppo-update": (ppo_update_task, update_inputs),
+}
+
+
+def run_on(stage: str, config: RunConfig, source: str, runner: Any | None = None) -> str:
+    """Run `stage` on the stored version `source` of its rerun_from stage; returns its version."""
+    prefect_task, inputs = ON_ONE_INPUT[stage]
+    parents, position = inputs(config, Store(config.store.runs_dir), source)
+    return run_stage(prefect_task, config, parents, position, runner=runner)

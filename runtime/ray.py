@@ -1,0 +1,67 @@
+"""Ray, imported and connected the same way by everything in mtrl that uses it: the ray runner of
+the tool and reward stages (pipeline/runners.py) and ppo-update on several nodes
+(stages/ppo_update/launch.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+# Ray 2.60 would otherwise advertise the machine's LAN address, turn token auth on (writing
+# ~/.ray/auth_token) and send usage stats.
+RAY_ENVIRONMENT = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_DEDUP_LOGS": "0",
+}
+
+
+class RayError(ValueError):
+    """Ray cannot run what was asked: it is not installed, or no cluster answers at the address."""
+
+
+def import_ray(purpose: str) -> Any:
+    """The ray module, imported with RAY_ENVIRONMENT in this process's environment (before Ray
+    starts or connects); `purpose` names what needs it in the error when Ray is not installed."""
+    for name, value in RAY_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    try:
+        import ray
+    except ImportError:
+        raise RayError(f"{purpose} needs the ray extra: pip install 'mtrl[ray]'") from None
+    return ray
+
+
+def check_ray_address(address: str | None, timeout_s: float = 5.0) -> None:
+    """A cluster address where nothing answers is an error within seconds: ray.init would retry
+    for minutes and then exit the process, which Prefect can only report as a crash."""
+    if address in (None, "auto", "local"):  # found (or started) by Ray itself
+        return
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as exc:
+        raise RayError(
+            f"runner.ray_address {address!r}: no Ray cluster answers there ({exc}); start one with "
+            "`ray start --head` or fix the address"
+        ) from None
+
+
+@contextlib.contextmanager
+def ray_cluster(address: str | None, purpose: str) -> Iterator[Any]:
+    """The ray module, connected: to the cluster at `address` for the duration, or through the
+    connection this process already has (the ray runner's)."""
+    ray = import_ray(purpose)
+    if ray.is_initialized():
+        yield ray
+        return
+    check_ray_address(address)
+    ray.init(address=address, runtime_env={"env_vars": dict(RAY_ENVIRONMENT)}, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()

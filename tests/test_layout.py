@@ -1,0 +1,157 @@
+"""The layout's rules, checked on the source (docs/architecture.md):
+
+- four layers, imports pointing down only: schemas <- runtime <- stages <- pipeline;
+- no import circle anywhere;
+- stages never import each other (they meet through schemas/, the store and the shared modules);
+- a stage's version hashes exactly the code that shapes its output: its closure holds what it
+  must and none of what it must not (another stage, a launcher, a sampler, the pipeline).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+from pipeline.stage_table import HASHED_PACKAGES, ROOT, STAGES
+from runtime.hashing import module_closure
+
+LAYERS = ("schemas", "runtime", "stages", "pipeline")  # lowest first: a module imports its own layer or lower
+STAGE_PACKAGES = (  # the stages proper; every other module of stages/ is shared
+    "stages.generate_rollouts",
+    "stages.execute_tools",
+    "stages.assign_rewards",
+    "stages.compute_advantages",
+    "stages.ppo_update",
+)
+
+
+@functools.cache
+def project_modules() -> dict[str, Path]:
+    """Module name -> source file, for every module of the four layers."""
+    modules = {}
+    for layer in LAYERS:
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+@functools.cache
+def imports() -> dict[str, set[str]]:
+    """Module -> the project modules it imports (imports inside functions included)."""
+    modules = project_modules()
+    graph = {}
+    for name, path in modules.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names if alias.name in modules}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules:
+                for alias in node.names:  # `from a import b`: the module a.b if there is one, else a
+                    imported.add(
+                        f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                    )
+        graph[name] = imported - {name}
+    return graph
+
+
+def in_package(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def stage_of(module: str) -> str | None:
+    return next((package for package in STAGE_PACKAGES if in_package(module, package)), None)
+
+
+def test_every_module_of_the_four_layers_is_found():
+    modules = project_modules()
+    assert {"schemas.config", "runtime.processes", "stages.ppo_update.worker", "pipeline.flows"} <= set(modules)
+    assert len(imports()) == len(modules)
+
+
+def test_imports_point_down_the_layers():
+    wrong = [
+        f"{module} ({module.split('.')[0]}) imports {imported} ({imported.split('.')[0]})"
+        for module, imported_modules in imports().items()
+        for imported in imported_modules
+        if LAYERS.index(imported.split(".")[0]) > LAYERS.index(module.split(".")[0])
+    ]
+    assert not wrong, "an import runs up the layers schemas <- runtime <- stages <- pipeline:\n" + "\n".join(wrong)
+
+
+def test_there_is_no_import_circle():
+    graph = imports()
+    circles, done = [], set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            circles.append(" -> ".join([*path[path.index(module) :], module]))
+            return
+        if module in done:
+            return
+        for imported in sorted(graph[module]):
+            visit(imported, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def test_stages_never_import_each_other():
+    wrong = []
+    for module, imported_modules in imports().items():
+        if not in_package(module, "stages"):
+            continue
+        for imported in imported_modules:
+            theirs = stage_of(imported)
+            if theirs is not None and theirs != stage_of(module):
+                wrong.append(f"{module} imports {imported} (the stage {theirs})")
+    assert not wrong, "stages meet through schemas/, the store and the shared modules only:\n" + "\n".join(wrong)
+
+
+# Per stage: files its version must hash, and files it must not (they do not shape its output).
+MUST = {
+    "generate-rollouts": {"stages/tasks.py", "stages/tools.py", "stages/environments.py", "stages/policy.py",
+                          "stages/generate_rollouts/hf.py", "stages/generate_rollouts/vllm_server.py"},
+    "execute-tools": {"stages/execute_tools/calls.py", "stages/tools.py", "stages/environments.py"},
+    "assign-rewards": {"stages/assign_rewards.py", "stages/environments.py"},
+    "compute-advantages": {"stages/compute_advantages.py", "stages/policy.py"},
+    "ppo-update": {"stages/ppo_update/__init__.py", "stages/ppo_update/worker.py", "stages/ppo_update/checkpoint.py",
+                   "stages/policy.py", "stages/sharding.py"},
+}  # fmt: skip
+MUST_NOT = {
+    # the tool sandbox runs calls: generation renders the tools' schemas only
+    "generate-rollouts": {"stages/execute_tools/calls.py", "stages/execute_tools/worker.py", "stages/sharding.py",
+                          "stages/ppo_update/__init__.py", "stages/compute_advantages.py"},
+    # the vLLM launcher and the HF engine generate; tools never need them
+    "execute-tools": {"stages/generate_rollouts/vllm_server.py", "stages/generate_rollouts/hf.py",
+                      "stages/generate_rollouts/__init__.py", "stages/tasks.py", "stages/policy.py"},
+    "assign-rewards": {"stages/execute_tools/calls.py", "stages/policy.py", "stages/generate_rollouts/__init__.py"},
+    "compute-advantages": {"stages/ppo_update/__init__.py", "stages/sharding.py", "stages/generate_rollouts/hf.py"},
+    # the torchrun/Ray launcher decides where the ranks run, as ppo.nodes does; the memory sampler measures
+    "ppo-update": {"stages/ppo_update/launch.py", "runtime/torchrun.py", "runtime/memory.py",
+                   "runtime/processes.py", "stages/generate_rollouts/__init__.py"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_a_stage_version_hashes_exactly_the_code_that_shapes_its_output(stage):
+    hashed = {str(path.relative_to(ROOT)) for path in STAGES[stage].code_files}
+    assert MUST[stage] <= hashed, f"{stage} does not hash {sorted(MUST[stage] - hashed)}"
+    assert not MUST_NOT[stage] & hashed, f"{stage} hashes {sorted(MUST_NOT[stage] & hashed)}, which do not shape it"
+    outside = sorted(path for path in hashed if path.split("/")[0] not in HASHED_PACKAGES)
+    assert not outside, f"{stage} hashes {outside}: only stages/ and schemas/ shape a stage's output"
+
+
+def test_runtime_and_pipeline_are_never_followed_into_a_closure(tmp_path):
+    """A stage may use a launcher or a sampler of runtime/ without hashing it."""
+    user = tmp_path / "user.py"
+    user.write_text(
+        "from runtime.memory import peak_memory\nfrom pipeline.store import Store\nimport schemas.features\n"
+    )
+    closure = {str(path) for path in module_closure([user], ROOT, HASHED_PACKAGES)}
+    assert closure == {str(user), str(ROOT / "schemas/features.py")}
