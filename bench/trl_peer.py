@@ -14,8 +14,9 @@ TRL runs as a user would run it: `GRPOTrainer(model, reward_funcs, train_dataset
 with its own multi-turn tool loop (`max_tool_calling_iterations=3`: 4 assistant turns), its own
 generation (transformers `generate`) and its Qwen3 chat template (the embedded model speaks
 Qwen3's format; TRL recognises that template, parses tool calls with it and swaps in its
-prefix-preserving training version). mtrl runs as `mtrl run` with no flags, measured by
-bench/run_split.py (its wall time split into phases).
+prefix-preserving training version; gradient checkpointing off, as mtrl's default: TRL's default
+turns it on and replays every layer's forward in the backward pass). mtrl runs as `mtrl run` with
+no flags, measured by `bench/orchestration.py split` (its wall time split into phases).
 
 Each side is its own process, timed from launch to exit (imports included). Reported: wall
 times, generated tokens (model tokens only, not tool outputs), success per iteration (first ->
@@ -38,7 +39,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_split import REPO, machine, measure_mtrl, timed_child  # noqa: E402
+from orchestration import REPO, machine, measure_mtrl, timed_child  # noqa: E402
 
 MAX_TURNS = 4
 
@@ -52,10 +53,10 @@ def trl_child(out: Path, workdir: Path) -> None:
     from trl.chat_template_utils import qwen3_chat_template
 
     from pipeline.models import resolve_model_dir
-    from pipeline.task_mix import rollout_starts
     from schemas.config import RunConfig
     from stages.environments import ENVIRONMENTS
-    from stages.execute_tools.tools import calculate
+    from stages.tasks import rollout_starts
+    from stages.tools import calculate
 
     imported = time.time()
     config = RunConfig()  # mtrl's defaults: the work to match
@@ -101,6 +102,9 @@ def trl_child(out: Path, workdir: Path) -> None:
         use_cpu=True,
         bf16=False,
         seed=config.seed,
+        # TRL's configs default gradient checkpointing on (a GPU-memory saving): every layer's forward runs again
+        # in the backward pass. mtrl's default is off (ppo.gradient_checkpointing) and this model needs no saving.
+        gradient_checkpointing=config.ppo.gradient_checkpointing,
         per_device_train_batch_size=config.ppo.minibatch_rollouts,  # 16 rollouts per optimiser step
         gradient_accumulation_steps=1,
         steps_per_generation=steps_per_iteration,  # 64 rollouts generated, then 4 steps on them
@@ -205,9 +209,9 @@ def main() -> None:
     parser.add_argument("--order", default="trl,mtrl", help="which runs first")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="mtrl-peer-"))
-    from pipeline.prefect_env import database_template_dir
+    from pipeline.prefect_servers import database_template_dir
 
-    template = database_template_dir()  # a new runs dir copies it instead of migrating (pipeline/prefect_env.py)
+    template = database_template_dir()  # a new runs dir copies it instead of migrating (pipeline/prefect_servers.py)
     results: dict[str, Any] = {"prefect_database_template_existed": bool(template and template.is_dir())}
     for side in args.order.split(","):
         load_before = os.getloadavg()

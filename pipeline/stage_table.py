@@ -3,7 +3,7 @@
 The store's folders, the Arrow schema a version must have, what goes into its version hash
 (config fields, derived values, code), where it may run and whether `mtrl stage` re-runs it:
 all of it is read from STAGES. Adding a stage is one entry here, its module in stages/ and
-its Prefect task in pipeline/flows.py.
+its Prefect task in pipeline/tasks.py.
 """
 
 from __future__ import annotations
