@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pipeline.lineage import latest_policy, turns_of
+from pipeline.lineage import latest_policy
 from pipeline.stage_table import POLICY
 from pipeline.store import Store, StoreError
 
@@ -42,22 +42,16 @@ def iterations(store: Store, policy_version: str | None = None) -> list[dict[str
     rows = []
     version = policy_version
     while parents := store.manifest(POLICY, version).parents:
-        update = store.manifest("ppo-update", parents["ppo-update"])
-        advantages = store.manifest("compute-advantages", update.parents["compute-advantages"])
-        rewards = store.manifest("assign-rewards", advantages.parents["assign-rewards"])
-        seconds = update.wall_s + advantages.wall_s + rewards.wall_s
-        for tools in turns_of(store, rewards.parents["execute-tools"]):
-            executed = store.manifest("execute-tools", tools)
-            seconds += (
-                executed.wall_s + store.manifest("generate-rollouts", executed.parents["generate-rollouts"]).wall_s
-            )
+        # the iteration's versions: its ppo-update and what it was made from, back to the policies
+        made = [m for m in store.walk_lineage("ppo-update", parents["ppo-update"], stop_at=POLICY) if m.stage != POLICY]
+        update, rewards = made[0], next(m for m in made if m.stage == "assign-rewards")
         rows.append(
             {
                 "iteration": update.iteration,
                 "policy": update.parents[POLICY],
                 **rewards.metrics,
                 **{k: v for k, v in update.metrics.items() if k in ("policy_loss", "kl", "entropy", "clip_fraction")},
-                "stage_seconds": seconds,
+                "stage_seconds": sum(m.wall_s for m in made),
             }
         )
         version = update.parents[POLICY]

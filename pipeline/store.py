@@ -200,10 +200,11 @@ class Store:
         """This version and all its ancestors, depth first (each manifest once)."""
         return list(self.walk_lineage(stage, version))
 
-    def walk_lineage(self, stage: str, version: str) -> Iterator[Manifest]:
+    def walk_lineage(self, stage: str, version: str, stop_at: str | None = None) -> Iterator[Manifest]:
         """lineage(), each manifest read when it is reached: a search for a near ancestor stops
         there instead of reading the run's whole history (which grows by ~2 x turns + 5
-        versions per iteration). A stack, not recursion: a long run's chain is thousands deep."""
+        versions per iteration). A stack, not recursion: a long run's chain is thousands deep.
+        The versions of `stop_at` are reached but their parents not followed."""
         seen: set[tuple[str, str]] = set()
         todo = [(stage, version)]
         while todo:
@@ -213,8 +214,8 @@ class Store:
             seen.add(node)
             manifest = self.manifest(*node)
             yield manifest
-            # the first parent is visited first, as a recursive walk would
-            todo += [(name.split("#")[0], parent) for name, parent in reversed(manifest.parents.items())]
+            if manifest.stage != stop_at:  # the first parent is visited first, as a recursive walk would
+                todo += [(name.split("#")[0], parent) for name, parent in reversed(manifest.parents.items())]
 
     def ancestor(self, stage: str, version: str, of_stage: str) -> Manifest:
         """The nearest version of `of_stage` in a version's lineage (e.g. its rollouts')."""

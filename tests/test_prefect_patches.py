@@ -6,6 +6,10 @@ from __future__ import annotations
 import ast
 import contextvars
 import inspect
+import json
+import os
+import subprocess
+import sys
 import textwrap
 
 from pipeline import prefect_patches
@@ -55,14 +59,20 @@ def test_the_temporary_server_runs_what_prefect_runs():
 
 
 def test_the_database_files_are_where_prefect_keeps_them(tmp_path):
-    from prefect.settings import PREFECT_HOME, PREFECT_MEMO_STORE_PATH, get_current_settings, temporary_settings
-
-    with temporary_settings({PREFECT_HOME: tmp_path}):
-        url = get_current_settings().server.database.connection_url.get_secret_value()
-        memo = PREFECT_MEMO_STORE_PATH.value()
+    """Prefect's defaults for a home, read in a fresh process (the test session's own Prefect
+    server overrides the database for this one)."""
+    code = (
+        "import json\nfrom prefect.settings import PREFECT_MEMO_STORE_PATH, get_current_settings\n"
+        "url = get_current_settings().server.database.connection_url.get_secret_value()\n"
+        "print(json.dumps([url, str(PREFECT_MEMO_STORE_PATH.value())]))"
+    )
+    environment = {"PREFECT_HOME": str(tmp_path), "PATH": os.environ["PATH"], "DO_NOT_TRACK": "1"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=120)
+    assert done.returncode == 0, done.stderr
+    url, memo = json.loads(done.stdout.strip().splitlines()[-1])
     database, memo_store = prefect_patches.DATABASE_FILES
     assert url == f"sqlite+aiosqlite:///{tmp_path / database}", url
-    assert memo == tmp_path / memo_store, memo
+    assert memo == str(tmp_path / memo_store), memo
 
 
 def test_the_api_client_of_a_context_is_a_context_variable():
