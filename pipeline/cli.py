@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pydantic import ValidationError
 
@@ -26,6 +26,9 @@ from runtime import interpreter
 from runtime.phases import PHASES
 from schemas.config import RunConfig, deep_merge
 from schemas.manifest import MissingVersionError, StoreError
+
+if TYPE_CHECKING:
+    from pipeline.store import Store
 
 PHASES.mark("cli_imported")
 
@@ -190,7 +193,7 @@ def command_run(args: argparse.Namespace) -> Work:
     return run
 
 
-def write_run_log(store: Any, results: list[dict[str, Any]]) -> Path:
+def write_run_log(store: Store, results: list[dict[str, Any]]) -> Path:
     """RUNS_DIR/logs/run-<time>-<pid>.json: the command, the versions it made and where its time
     went (runtime/phases.py; the stages' own time is each manifest's wall_s). bench/orchestration.py
     reads it."""
