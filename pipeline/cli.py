@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from pydantic import ValidationError
 
+from pipeline.config_docs import config_fields, config_markdown, config_table
 from runtime import interpreter
 from runtime.phases import PHASES
 from schemas.config import RunConfig, deep_merge
@@ -383,8 +384,6 @@ def command_lineage(args: argparse.Namespace) -> Work:
 
 
 def command_config(args: argparse.Namespace) -> Work:
-    from pipeline.config_docs import config_fields, config_markdown, config_table
-
     def run() -> None:
         fields = [f for f in config_fields() if args.section in (None, f.section)]
         if args.format == "markdown":
@@ -492,10 +491,7 @@ def parser() -> argparse.ArgumentParser:
     ls.add_argument("--runs-dir", type=Path, default=Path("runs"))
     ls.set_defaults(handler=command_ls)
     config = commands.add_parser("config", help="every config field: its --set name, type, default, range, meaning")
-    sections = [
-        "run",
-        *(name for name, field in RunConfig.model_fields.items() if hasattr(field.annotation, "model_fields")),
-    ]
+    sections = list(dict.fromkeys(field.section for field in config_fields()))
     config.add_argument("section", nargs="?", choices=sections, help="show this section only")
     config.add_argument("--format", choices=["table", "markdown"], default="table", help="markdown: docs/config.md")
     config.set_defaults(handler=command_config)

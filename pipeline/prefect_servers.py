@@ -112,6 +112,7 @@ def _healthy(url: str) -> bool:
 # running every migration and registering the block types. The result is the same for every
 # new database of one Prefect version: it is kept once per machine (a cache: safe to delete)
 # and copied into the next new PREFECT_HOME. A database that exists is never replaced.
+DATABASE, MEMO_STORE = prefect_patches.DATABASE_FILES  # the database; the memo of registered block types
 
 
 def database_template_dir() -> Path | None:
@@ -135,12 +136,12 @@ def use_database_template(home: Path) -> str:
     template: its first server migrates it, save it after) or "existing" (a database of an
     earlier run, perhaps of another Prefect version)."""
     template = database_template_dir()
-    if template is None or (home / "prefect.db").exists():
+    if template is None or (home / DATABASE).exists():
         return "existing"
-    if not (template / "prefect.db").is_file():
+    if not (template / DATABASE).is_file():
         return "new"
     with starting_alone(home):  # two runs on one new runs directory: one copies, the other finds it
-        if (home / "prefect.db").exists():
+        if (home / DATABASE).exists():
             return "existing"
         for name in prefect_patches.DATABASE_FILES:
             if (template / name).is_file():
@@ -154,16 +155,16 @@ def save_database_template(home: Path) -> None:
     """Keep `home`'s database, just migrated by its first server and with no run in it yet, as
     the template (SQLite's online backup: a consistent copy while the server runs)."""
     template = database_template_dir()
-    if template is None or (template / "prefect.db").is_file():
+    if template is None or (template / DATABASE).is_file():
         return
     partial = template.parent / f".{template.name}.{os.getpid()}.tmp"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    with contextlib.closing(sqlite3.connect(home / "prefect.db")) as source:
-        with contextlib.closing(sqlite3.connect(partial / "prefect.db")) as copy:
+    with contextlib.closing(sqlite3.connect(home / DATABASE)) as source:
+        with contextlib.closing(sqlite3.connect(partial / DATABASE)) as copy:
             source.backup(copy)
-    if (home / "memo_store.toml").is_file():
-        shutil.copyfile(home / "memo_store.toml", partial / "memo_store.toml")
+    if (home / MEMO_STORE).is_file():
+        shutil.copyfile(home / MEMO_STORE, partial / MEMO_STORE)
     try:
         os.rename(partial, template)  # atomic; another process may have kept its copy first
     except OSError:

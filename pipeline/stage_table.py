@@ -167,7 +167,7 @@ STAGES: dict[str, Stage] = {
             derived=("device",),
             # the update and, with ppo.world_size > 1, the worker each rank runs; not the launcher
             # (launch.py: where the ranks run, as ppo.nodes)
-            code=("stages/ppo_update/__init__.py", "stages/ppo_update/checkpoint.py", "stages/ppo_update/worker.py"),
+            code=("stages/ppo_update/__init__.py", "stages/ppo_update/worker.py"),
             rerun_from="compute-advantages",
         ),
     )

@@ -9,14 +9,13 @@
 
 from __future__ import annotations
 
-import ast
 import functools
 from pathlib import Path
 
 import pytest
 
 from pipeline.stage_table import HASHED_PACKAGES, ROOT, STAGES
-from runtime.hashing import module_closure
+from runtime.hashing import imported_files, module_closure
 
 LAYERS = ("schemas", "runtime", "stages", "pipeline")  # lowest first: a module imports its own layer or lower
 STAGE_PACKAGES = (  # the stages proper; every other module of stages/ is shared
@@ -41,21 +40,13 @@ def project_modules() -> dict[str, Path]:
 
 @functools.cache
 def imports() -> dict[str, set[str]]:
-    """Module -> the project modules it imports (imports inside functions included)."""
-    modules = project_modules()
-    graph = {}
-    for name, path in modules.items():
-        imported = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                imported |= {alias.name for alias in node.names if alias.name in modules}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules:
-                for alias in node.names:  # `from a import b`: the module a.b if there is one, else a
-                    imported.add(
-                        f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
-                    )
-        graph[name] = imported - {name}
-    return graph
+    """Module -> the project modules it imports (imports inside functions included), read by the
+    same parser that follows a stage's imports for its version (runtime/hashing.py)."""
+    module_of = {path: name for name, path in project_modules().items()}
+    return {
+        name: {module_of[f] for f in imported_files(path, ROOT, LAYERS)} - {name}
+        for name, path in project_modules().items()
+    }
 
 
 def in_package(module: str, package: str) -> bool:
