@@ -153,15 +153,14 @@ def command_run(args: argparse.Namespace) -> Work:
     api_ready = prefect_servers.start_api(config.store.runs_dir, config.runner.kind)
     validate_choices(config)
     from pipeline.flows import rl_training
-    from pipeline.models import resolve_model_dir
+    from pipeline.models import starting_tokenizer
     from pipeline.report import write_report
     from pipeline.store import Store
     from runtime.ray import RayError
-    from stages.policy import ModelError, load_tokenizer
 
     try:
-        load_tokenizer(resolve_model_dir(config.model.path))
-    except ModelError as exc:
+        starting_tokenizer(config)
+    except ValueError as exc:  # ModelError too
         raise UsageError(str(exc)) from None
     PHASES.mark("checks_done")
 
@@ -256,12 +255,13 @@ def command_serve(args: argparse.Namespace) -> Work:
 
 
 def command_eval(args: argparse.Namespace) -> Work:
-    """Roll out a policy on fixed evaluation tasks (nothing is stored) and print its metrics."""
+    """Roll out a policy on fixed evaluation tasks and print its metrics; only the starting model is stored
+    (imported, as a run would), never the rollouts."""
     config = build_config(args)
     validate_choices(config)
     from pipeline.evaluate import run_episodes
-    from pipeline.models import resolve_model_dir
     from pipeline.store import Store
+    from pipeline.tasks import import_base_policy
     from stages.assign_rewards import rollout_metrics
     from stages.generate_rollouts.engine import open_engine
     from stages.policy import load_tokenizer
@@ -269,12 +269,16 @@ def command_eval(args: argparse.Namespace) -> Work:
 
     def run() -> None:
         store = Store(config.store.runs_dir)
-        model_dir = (
-            store.policy_dir(store.resolve(f"policy/{args.policy}")[1])
-            if args.policy
-            else resolve_model_dir(config.model.path)
-        )
-        tokenizer = load_tokenizer(model_dir)
+        try:  # the starting model is evaluated as a run would train it: imported (GGUF, chat template)
+            if args.policy:
+                version = store.resolve(f"policy/{args.policy}")[1]
+            else:
+                with store.lock():
+                    version = import_base_policy(store, config)
+        except ValueError as exc:  # ModelError too: a template that hides the tools
+            raise UsageError(str(exc)) from None
+        model_dir = store.policy_dir(version)
+        tokenizer = load_tokenizer(str(model_dir))
         engine = open_engine(model_dir, tokenizer, config)
         try:  # evaluation tasks come from their own seed, never the training iterations'
             turns = run_episodes(engine, tokenizer, config, iteration=EVAL_ITERATION)
@@ -452,7 +456,9 @@ def parser() -> argparse.ArgumentParser:
     config_flags(stage, skip=("--runs-dir",))
     stage.set_defaults(handler=command_stage)
 
-    evaluate = commands.add_parser("eval", help="roll out a policy on fixed evaluation tasks; nothing is stored")
+    evaluate = commands.add_parser(
+        "eval", help="roll out a policy on fixed evaluation tasks; the rollouts are not stored"
+    )
     config_flags(evaluate)
     evaluate.add_argument("--policy", help="a policy version of the runs dir (default: --model or the embedded one)")
     evaluate.set_defaults(handler=command_eval)

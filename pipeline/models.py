@@ -1,13 +1,18 @@
 """Where the starting policy comes from: the embedded tiny model, a local HF causal-LM directory,
-or a hub id (loading it is stages/policy.py's)."""
+or a hub id (loading it is stages/policy.py's); and the chat template it is imported with."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from stages.policy import ModelError
+from schemas.config import RunConfig
+from stages.policy import ModelError, load_tokenizer
+from stages.tasks import check_tools_reach_the_model
 
 EMBEDDED_POLICY = Path(__file__).resolve().parent / "embedded" / "policy"
+# Templates mtrl ships, by the name model.chat_template gives them.
+SHIPPED_TEMPLATES = {"hermes": Path(__file__).resolve().parent / "chat_templates" / "hermes.jinja"}
 
 
 def resolve_model_dir(path: str | None) -> Path:
@@ -29,3 +34,26 @@ def resolve_model_dir(path: str | None) -> Path:
     if not any((local / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         raise ModelError(f"--model {local}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
     return local.resolve()
+
+
+def chat_template_override(setting: str | None) -> str | None:
+    """The text of model.chat_template (a template mtrl ships, by name, or a Jinja file), or None
+    to keep the model's own."""
+    if setting is None:
+        return None
+    path = SHIPPED_TEMPLATES.get(setting) or Path(setting).expanduser()
+    if not path.is_file():
+        raise ModelError(
+            f"model.chat_template {setting}: no such file (a Jinja chat template, or one mtrl ships: "
+            f"{', '.join(SHIPPED_TEMPLATES)})"
+        )
+    return path.read_text()
+
+
+def starting_tokenizer(config: RunConfig) -> Any:
+    """The starting model's tokenizer as the run will use it (model.chat_template applied), checked
+    before any work: it has a chat template and that template tells the model its tools."""
+    model_dir = resolve_model_dir(config.model.path)
+    tokenizer = load_tokenizer(model_dir, chat_template_override(config.model.chat_template))
+    check_tools_reach_the_model(tokenizer, config, str(model_dir))
+    return tokenizer

@@ -30,7 +30,7 @@ from prefect import get_run_logger, task
 from pipeline import artifacts, lineage
 from pipeline.artifacts import ppo_progress, publish_stage, turn_progress
 from pipeline.audit import audit_before_training
-from pipeline.models import resolve_model_dir
+from pipeline.models import resolve_model_dir, starting_tokenizer
 from pipeline.runners import map_row_shards
 from pipeline.stage_table import POLICY, STAGES
 from pipeline.store import TMP_PREFIX, Store, copy_files
@@ -38,6 +38,7 @@ from runtime.hashing import file_digests, version_key
 from runtime.memory import peak_memory
 from schemas.config import RunConfig
 from schemas.features import PPO_UPDATE, dataset_from_rows, token_counts
+from schemas.token_stream import chat_template_hash
 from stages import assign_rewards, compute_advantages, execute_tools, generate_rollouts, ppo_update
 from stages.environments import ENVIRONMENTS
 from stages.generate_rollouts.engine import GenerationEngine, open_engine
@@ -66,13 +67,19 @@ def import_base_policy(store: Store, config: RunConfig) -> str:
     its lineage root. The version is the hash of the files, so the same model imported from
     anywhere is the same version."""
     model_dir = resolve_model_dir(config.model.path)
-    load_tokenizer(model_dir)  # fail early, before any work, if it has no chat template
+    tokenizer = starting_tokenizer(config)  # fail early, before any work, on a template that hides the tools
     digests = file_digests(model_dir)
-    version = version_key(POLICY, POLICY_CODE_VERSION, {"source_files": digests}, {})
+    identity: dict[str, Any] = {"source_files": digests}
+    if config.model.chat_template is not None:  # the same files with another template: another policy
+        identity["chat_template_sha256"] = chat_template_hash(tokenizer)
+    version = version_key(POLICY, POLICY_CODE_VERSION, identity, {})
 
     def fill(tmp: Path) -> dict[str, Any]:
         copy_files(model_dir, tmp, digests)
-        return {"imported_from": str(model_dir)}
+        if config.model.chat_template is None:
+            return {"imported_from": str(model_dir)}
+        tokenizer.save_pretrained(tmp)  # stored with the policy: every stage reads the template from there
+        return {"imported_from": str(model_dir), "chat_template": config.model.chat_template}
 
     store.write(POLICY, version, fill, {"iteration": -1, "code_version": POLICY_CODE_VERSION})
     return version

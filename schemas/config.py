@@ -38,6 +38,13 @@ class ModelConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the policy runs; auto picks cuda if present."
     )
+    chat_template: str | None = Field(
+        None,
+        description="A chat template that replaces the model's own when it is imported: hermes (the Hermes "
+        "tool-calling template mtrl ships, for ChatML models whose template drops the tools, e.g. SmolLM2) or a "
+        "Jinja file. null = the model's own; a template that renders the same prompt with and without the task's "
+        "tools is refused at run start.",
+    )
 
 
 class TaskConfig(Section):

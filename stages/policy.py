@@ -47,12 +47,18 @@ def pick_device(device: str) -> torch.device:
 
 
 @functools.lru_cache(maxsize=4)
-def load_tokenizer(model_dir: str | Path) -> Any:
+def load_tokenizer(model_dir: str | Path, chat_template: str | None = None) -> Any:
+    """The policy's tokenizer; `chat_template` (the text of a Jinja template) replaces its own."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     if not tokenizer.chat_template:
-        raise ModelError(f"{model_dir}: the tokenizer has no chat template; multi-turn rollouts need one")
+        raise ModelError(
+            f"{model_dir}: the tokenizer has no chat template; multi-turn rollouts need one "
+            "(set model.chat_template: hermes, the tool-calling template mtrl ships for ChatML models, or a file)"
+        )
     if tokenizer.eos_token is None:
         raise ModelError(f"{model_dir}: the tokenizer has no EOS token")
     if tokenizer.pad_token_id is None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from runtime.hashing import source_version
 from schemas.config import RunConfig
+from schemas.token_stream import prompt_token_ids
 from stages.environments import ENVIRONMENTS
 from stages.tools import NOT_SANDBOXABLE, TOOLS, importable_by_name, tool_schema
 
@@ -75,6 +76,25 @@ def check_environments(config: RunConfig) -> None:
                 ) from None
             if config.tools.sandbox and not importable_by_name(TOOLS[tool]):
                 raise ValueError(f"tool '{tool}' of environment '{name}' {NOT_SANDBOXABLE}")
+
+
+def check_tools_reach_the_model(tokenizer: Any, config: RunConfig, model: str) -> None:
+    """Every task's tools are in the prompt the model sees. A chat template without a tools
+    section (SmolLM2's, for one) renders the same tokens with and without them: the model would
+    never be told its tools exist, and RL would train on regardless."""
+    for name, _ in config.task.mix():
+        environment = ENVIRONMENTS[name]
+        messages = environment.reset(environment.sample_task(random.Random(0)))
+        tools = [tool_schema(TOOLS[tool]) for tool in environment.tools]
+        thinking = config.generation.enable_thinking
+        prompt = prompt_token_ids(tokenizer, messages, tools, thinking)
+        if prompt == prompt_token_ids(tokenizer, messages, None, thinking):
+            raise ValueError(
+                f"{model}: its chat template renders the same {len(prompt)} tokens with and without the tools of "
+                f"task '{name}' ({', '.join(environment.tools)}), so the model would never be told they exist. Set "
+                "model.chat_template to a template that renders tools: hermes (the Hermes tool-calling template mtrl "
+                "ships, for ChatML models such as SmolLM2 and Qwen) or a Jinja file"
+            )
 
 
 def rollout_starts(config: RunConfig, iteration: int) -> list[dict[str, Any]]:

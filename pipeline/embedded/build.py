@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from pipeline.models import SHIPPED_TEMPLATES
 from stages.environments import ENVIRONMENTS, CalculatorEnv
 from stages.tools import TOOLS, calculate, tool_schema
 
@@ -58,7 +59,7 @@ ENGLISH = (
 
 
 def chat_template() -> str:
-    return (HERE / "chat_template.jinja").read_text()
+    return SHIPPED_TEMPLATES["hermes"].read_text()
 
 
 def tool_schemas(names: tuple[str, ...]) -> list[dict[str, Any]]:
