@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from pipeline.config_docs import config_fields, config_markdown, config_table
 from runtime import interpreter
 from runtime.phases import PHASES
+from runtime.threads import use_threads
 from schemas.config import RunConfig, deep_merge
 from schemas.manifest import MissingVersionError, StoreError
 
@@ -90,6 +91,9 @@ def build_config(args: argparse.Namespace, base: RunConfig | None = None) -> Run
         raise UsageError(f"invalid config: {problems}") from None
     except (ValueError, OSError) as exc:
         raise UsageError(str(exc)) from None
+    # Every command that does work builds its config here, before it starts any process (the
+    # Prefect server included): they all inherit the thread count.
+    use_threads(config.runner.threads)
     return config
 
 

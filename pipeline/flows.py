@@ -27,6 +27,7 @@ from pipeline.tasks import (
     run_stage,
 )
 from runtime.phases import PHASES
+from runtime.threads import use_threads
 from schemas.config import RunConfig
 from stages.tasks import load_plugins, turn_limit
 
@@ -39,6 +40,7 @@ def rl_iteration(
     """One RL iteration. Without arguments: the next iteration from the store's newest policy
     (what a scheduled deployment run does). One iteration at a time per store: a file lock.
     `plot`: draw the learning curve into the summary artifact (rl-training: at its last iteration)."""
+    use_threads(config.runner.threads)  # a deployment's run starts here, not in `mtrl`
     load_plugins(config.task.plugins)
     store = Store(config.store.runs_dir)
     with store.lock(), stage_runner(config.runner) as runner, PHASES.section("iteration"):
@@ -94,6 +96,7 @@ def rl_iteration(
 @artifacts.sent_before_exit
 def rl_training(config: RunConfig) -> list[dict[str, Any]]:
     """config.iterations RL iterations from the starting model, each one an rl-iteration run."""
+    use_threads(config.runner.threads)  # a deployment's run starts here, not in `mtrl`
     load_plugins(config.task.plugins)
     store = Store(config.store.runs_dir)
     with store.lock():
@@ -117,6 +120,7 @@ def rl_training(config: RunConfig) -> list[dict[str, Any]]:
 def rerun_stage(config: RunConfig, stage: str, source: str) -> str:
     """Re-run one stage on a stored input (e.g. re-score rewards, or A/B two estimators on the
     same rollouts); writes a new version beside the old one, or finds it already stored."""
+    use_threads(config.runner.threads)  # a deployment's run starts here, not in `mtrl`
     load_plugins(config.task.plugins)
     store = Store(config.store.runs_dir)
     source_stage, source_version = store.resolve(source)

@@ -29,7 +29,7 @@ from typing import Any
 
 import datasets
 
-from runtime.ray import RAY_ENVIRONMENT, RayError, check_ray_address, import_ray
+from runtime.ray import RayError, check_ray_address, import_ray, worker_environment
 from schemas.config import RunnerConfig
 
 
@@ -68,7 +68,7 @@ def stage_runner(config: RunnerConfig) -> Iterator[Any | None]:
         runner = RayTaskRunner()
     elif config.ray_address:  # the cluster's workers do not inherit this process's environment
         check_ray_address(config.ray_address)
-        workers_environment = {"env_vars": {"PREFECT_API_URL": api_url, **RAY_ENVIRONMENT}}
+        workers_environment = {"env_vars": {"PREFECT_API_URL": api_url, **worker_environment()}}
         runner = RayTaskRunner(address=config.ray_address, init_kwargs={"runtime_env": workers_environment})
     else:
         # a short path: Ray's socket paths must stay under ~107 characters

@@ -25,6 +25,7 @@ from typing import Any
 from uuid import UUID, uuid4
 
 import datasets
+import torch
 from prefect import get_run_logger, task
 
 from pipeline import artifacts, lineage
@@ -183,7 +184,8 @@ def stage_task(stage: str) -> Callable[[Compute], Any]:
                 "code_version": table.code_version,
                 "tokens": token_counts(dataset),
                 "wall_s": round(time.time() - started, 3),
-                "process": {"host": socket.gethostname(), "pid": os.getpid()},  # where it ran (runner)
+                # where it ran (runner), with how many CPU threads (runner.threads)
+                "process": {"host": socket.gethostname(), "pid": os.getpid(), "threads": torch.get_num_threads()},
                 **fields,
             }
             store.write_dataset(stage, version, dataset, manifest)

@@ -10,6 +10,8 @@ import socket
 from collections.abc import Iterator
 from typing import Any
 
+from runtime.threads import THREAD_VARIABLES
+
 # Ray 2.60 would otherwise advertise the machine's LAN address, turn token auth on (writing
 # ~/.ray/auth_token) and send usage stats.
 RAY_ENVIRONMENT = {
@@ -18,6 +20,13 @@ RAY_ENVIRONMENT = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_DEDUP_LOGS": "0",
 }
+
+
+def worker_environment() -> dict[str, str]:
+    """What Ray's workers get in their environment: RAY_ENVIRONMENT and this process's thread
+    count (runtime/threads.py; Ray would otherwise give each worker one thread per CPU it asks for)."""
+    threads = {name: os.environ[name] for name in THREAD_VARIABLES if name in os.environ}
+    return {**RAY_ENVIRONMENT, **threads}
 
 
 class RayError(ValueError):
@@ -60,7 +69,7 @@ def ray_cluster(address: str | None, purpose: str) -> Iterator[Any]:
         yield ray
         return
     check_ray_address(address)
-    ray.init(address=address, runtime_env={"env_vars": dict(RAY_ENVIRONMENT)}, log_to_driver=False)
+    ray.init(address=address, runtime_env={"env_vars": worker_environment()}, log_to_driver=False)
     try:
         yield ray
     finally:

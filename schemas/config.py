@@ -366,6 +366,15 @@ class RunnerConfig(Section):
     shards: int = Field(
         1, ge=1, le=4096, description="With ray: Ray tasks that share one execute-tools stage's rows (tool calls)."
     )
+    threads: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="CPU threads of each process mtrl runs (generation and training here, torchrun ranks share "
+        "it, tool workers, Ray workers, vLLM and Prefect servers); null = half the machine's cores, at least 1. "
+        "Where the work runs, not what it computes: not part of any version (float sums may round differently "
+        "with another count, as on another CPU).",
+    )
 
 
 class RunConfig(Section):

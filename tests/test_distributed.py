@@ -99,9 +99,11 @@ def assert_same_update(store: Store, one: str, two: str) -> None:
 def test_two_processes_continue_adamw_and_train_the_same_policy_as_one(two_iterations):
     config, results, store = two_iterations
     advantaged, on_one = results[1]["versions"]["compute-advantages"], results[1]["versions"]["ppo-update"]
-    on_two = update(config, advantaged, world_size=2)
+    # runner.threads is not part of the version; the two ranks share it (4 // 2 each, not torchrun's 1)
+    on_two = update(config.with_overrides({"runner.threads": 4}), advantaged, world_size=2)
     assert_same_update(store, on_one, on_two)
     manifest = store.manifest("ppo-update", on_two)
+    assert [rank["torch_threads"] for rank in manifest.extra("memory")["ranks"]] == [2, 2]
     trainable = len(list(load_model(store.policy_dir(results[1]["policy"]), "float32", "cpu").parameters()))
     # the AdamW state that one process saved continued, sharded, on two (+2: the value head's)
     assert manifest.extra("optimizer_state_restored") == trainable + 2

@@ -68,3 +68,8 @@ def chatty_tool(megabytes: int) -> str:
 def long_tool() -> str:
     """Long output."""
     return "x" * 5000
+
+
+def thread_environment() -> str:
+    """The thread count this tool worker's process was started with (OMP_NUM_THREADS)."""
+    return os.environ.get("OMP_NUM_THREADS", "unset")

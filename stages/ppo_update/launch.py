@@ -58,6 +58,7 @@ from typing import Any
 
 from runtime.processes import dies_with_this_thread
 from runtime.ray import ray_cluster
+from runtime.threads import THREAD_VARIABLES, threads_per_process
 from schemas.config import RunConfig
 from stages.ppo_update import worker
 
@@ -139,11 +140,13 @@ def torchrun_command(
     ]
 
 
-def torchrun_output(command: list[str]) -> Iterator[str | int]:
-    """Run torchrun: yield the command line, each line of its output, then its exit code.
-    Closing the generator early stops torchrun (and its ranks)."""
+def torchrun_output(command: list[str], ranks_here: int) -> Iterator[str | int]:
+    """Run torchrun with `ranks_here` ranks on this machine: yield the command line, each line of
+    its output, then its exit code. Closing the generator early stops torchrun (and its ranks)."""
+    threads = str(threads_per_process(ranks_here))  # the ranks share this process's thread count
     env = {
         **os.environ,
+        **dict.fromkeys(THREAD_VARIABLES, threads),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": LINE_PREFIX_TEMPLATE,
     }
@@ -191,7 +194,7 @@ def torchrun_here(config: RunConfig, request: Path) -> Iterator[Job]:
         host_rendezvous=True,
         local_addr="127.0.0.1",
     )
-    output = torchrun_output(command)
+    output = torchrun_output(command, config.ppo.world_size)
     try:
         yield Job([{"address": socket.gethostname()}], ((0, item) for item in output))
     finally:
@@ -231,7 +234,7 @@ def torchrun_on_node(request: str, nnodes: int, nproc_per_node: int, rendezvous:
         host_rendezvous=False,
         local_addr=address,
     )
-    yield from torchrun_output(command)
+    yield from torchrun_output(command, nproc_per_node)
 
 
 def node_streams(ray: Any, tasks: dict[Any, int], nodes: list[dict[str, Any]]) -> Iterator[Event]:
