@@ -104,7 +104,7 @@ def trl_child(out: Path, workdir: Path) -> None:
         seed=config.seed,
         # TRL's configs default gradient checkpointing on (a GPU-memory saving): every layer's forward runs again
         # in the backward pass. mtrl's default is off (ppo.gradient_checkpointing) and this model needs no saving.
-        gradient_checkpointing=config.ppo.gradient_checkpointing,
+        gradient_checkpointing=bool(config.ppo.gradient_checkpointing),  # null: off for this small model
         per_device_train_batch_size=config.ppo.minibatch_rollouts,  # 16 rollouts per optimiser step
         gradient_accumulation_steps=1,
         steps_per_generation=steps_per_iteration,  # 64 rollouts generated, then 4 steps on them

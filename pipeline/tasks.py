@@ -43,7 +43,7 @@ from schemas.token_stream import chat_template_hash
 from stages import assign_rewards, compute_advantages, execute_tools, generate_rollouts, ppo_update
 from stages.environments import ENVIRONMENTS
 from stages.generate_rollouts.engine import GenerationEngine, open_engine
-from stages.policy import load_tokenizer
+from stages.policy import load_tokenizer, parameter_count
 from stages.ppo_update.launch import train_with_torchrun
 from stages.tasks import load_plugins, task_turn_limits, turn_limit
 
@@ -329,7 +329,8 @@ def ppo_update_task(
     turns = store.load("compute-advantages", parents["compute-advantages"])
     report = audit_before_training(store, parents["compute-advantages"], turns, config, seed=config.seed + iteration)
     recompute = config.recomputes_old_logprobs()  # exact generation logprobs are the old ones (the audit re-scored)
-    ppo = config.ppo.model_copy(update={"recompute_old_logprobs": recompute})
+    parameters = parameter_count(store.policy_dir(parents[POLICY]))
+    ppo = ppo_update.memory_settings(config.ppo.model_copy(update={"recompute_old_logprobs": recompute}), parameters)
     training = {
         "train_critic": config.advantage.estimator in compute_advantages.NEEDS_VALUES,
         "seed": config.seed + iteration,
@@ -379,6 +380,11 @@ def ppo_update_task(
         "metrics": ppo_update.metrics_summary(trained.metrics),
         "audit": report.as_dict(),
         "memory": memory,
+        # what ppo.gradient_checkpointing / max_tokens_per_micro_batch were (null: chosen by the model's size)
+        "memory_settings": {
+            "parameters": parameters,
+            **ppo.model_dump(include={"gradient_checkpointing", "max_tokens_per_micro_batch"}),
+        },
         "optimizer_state_restored": trained.optimizer_state_restored,
         "old_logprobs": "recomputed" if recompute else "generation",
         "policy": next_policy,

@@ -15,6 +15,7 @@ audit (re-scoring) all score through score_rollouts / forward_targets, so they a
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,18 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "aut
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype])
     return model.to(pick_device(device)).eval()
+
+
+def parameter_count(model_dir: str | Path) -> int:
+    """The parameters of a saved model, read from its safetensors headers (no weights loaded)."""
+    from safetensors import safe_open
+
+    count = 0
+    for path in Path(model_dir).glob("model*.safetensors"):  # one file, or the shards of a large model
+        with safe_open(path, framework="pt") as weights:
+            for name in weights.keys():
+                count += math.prod(weights.get_slice(name).get_shape())
+    return count
 
 
 def eos_token_ids(tokenizer: Any, model: Any) -> list[int]:

@@ -58,6 +58,12 @@ def test_every_stage_writes_a_versioned_dataset_with_a_manifest(first_run):
     }
     trained = AutoModelForCausalLM.from_pretrained(store.policy_dir(result["next_policy"]))
     assert trained.config.model_type == "qwen3"
+    # the memory settings left null were chosen by the model's size (small: no saving) and recorded
+    assert store.manifest("ppo-update", result["versions"]["ppo-update"]).extra("memory_settings") == {
+        "parameters": trained.num_parameters(),
+        "gradient_checkpointing": False,
+        "max_tokens_per_micro_batch": 0,
+    }
 
 
 def test_the_flow_run_shows_the_plot_a_table_and_finished_progress_bars(first_run):

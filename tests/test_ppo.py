@@ -371,3 +371,19 @@ def test_saved_optimizer_state_continues_adam_exactly_across_iterations(tiny, ro
         assert torch.equal(a, b), name
     assert any(not torch.equal(a, c) for a, c in zip(kept.state_dict().values(), fresh.state_dict().values()))
     assert load_optimizer_state(build_optimizer(model, config), model, None, tmp_path / "none") == 0
+
+
+def test_memory_settings_follow_the_model_size_unless_set():
+    from stages.ppo_update import LARGE_MODEL_PARAMETERS, LARGE_MODEL_TOKENS_PER_MICRO_BATCH, memory_settings
+
+    unset = PPOConfig()
+    small, large = memory_settings(unset, 880_000), memory_settings(unset, 135_000_000)
+    assert (small.gradient_checkpointing, small.max_tokens_per_micro_batch) == (False, 0)
+    assert (large.gradient_checkpointing, large.max_tokens_per_micro_batch) == (
+        True,
+        LARGE_MODEL_TOKENS_PER_MICRO_BATCH,
+    )
+    assert memory_settings(unset, LARGE_MODEL_PARAMETERS).gradient_checkpointing is True
+    assert memory_settings(unset, LARGE_MODEL_PARAMETERS - 1).gradient_checkpointing is False
+    chosen = PPOConfig(gradient_checkpointing=False, max_tokens_per_micro_batch=512)
+    assert memory_settings(chosen, 135_000_000) == chosen  # what the user set is kept
