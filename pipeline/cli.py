@@ -1,6 +1,7 @@
 """`mtrl`: train, and read the versioned store.
 
 mtrl run [flags]                 RL iterations (defaults: the CPU demo on the embedded model)
+mtrl sft --sft-steps N [flags]   the warm start alone: fine-tune the starting model on demonstrations
 mtrl ls [--runs-dir DIR]         every stored version
 mtrl show STAGE/VERSION          a version's manifest and where its data is
 mtrl lineage STAGE/VERSION       its chain of parents back to the starting policy
@@ -13,6 +14,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -53,6 +55,7 @@ RUN_FLAGS = {  # flag -> (config field, type, help)
     "--model": ("model.path", str, "local HF causal-LM directory or hub id (default: embedded tiny model)"),
     "--runner": ("runner.kind", str, "where tools run: thread or ray"),
     "--runs-dir": ("store.runs_dir", str, "root of the versioned store"),
+    "--sft-steps": ("sft.steps", int, "warm-start steps on demonstrations before RL (0 = none)"),
 }
 EVAL_ITERATION = 10**6  # `mtrl eval` samples its tasks as this iteration: never one that trains
 
@@ -114,6 +117,10 @@ def validate_choices(config: RunConfig) -> None:
         raise UsageError(f"task.plugins: cannot import {exc.name!r}: {exc}") from None
     try:
         check_environments(config)
+        if config.sft.steps > 0:
+            from stages.sft import check_demonstrations
+
+            check_demonstrations(config.sft_task_mix())
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if config.generation.engine not in ENGINES:
@@ -193,6 +200,42 @@ def command_run(args: argparse.Namespace) -> Work:
                 print(f"  {stage:<19} {store.path(stage, versions)}")
         print(f"  {'policy':<19} {store.policy_dir(last['next_policy'])}")
         print("Load any of them with:  import datasets; datasets.load_from_disk('<path above>')")
+
+    return run
+
+
+def command_sft(args: argparse.Namespace) -> Work:
+    """The warm start alone: the same flow step `mtrl run` takes first with sft.steps > 0."""
+    config = build_config(args)
+    if config.sft.steps == 0:
+        raise UsageError("mtrl sft trains for sft.steps steps, which is 0: give --sft-steps N (or --set sft.steps=N)")
+    from pipeline import prefect_servers, prefect_settings
+
+    api_ready = prefect_servers.start_api(config.store.runs_dir, config.runner.kind)
+    validate_choices(config)
+    from pipeline.flows import warm_start
+    from pipeline.models import starting_tokenizer
+    from pipeline.stage_table import POLICY
+    from pipeline.store import Store
+
+    try:
+        starting_tokenizer(config)
+    except ValueError as exc:  # ModelError too
+        raise UsageError(str(exc)) from None
+
+    def run() -> None:
+        own_api = api_ready()
+        with prefect_settings.flow_heartbeats(enabled=not own_api):
+            policy = warm_start(config)
+        store = Store(config.store.runs_dir)
+        trained = store.manifest("sft", store.manifest(POLICY, policy).parents["sft"])
+        first, last = trained.metrics["first_loss"], trained.metrics["last_loss"]
+        demonstrations = config.sft.task or config.task.name
+        print(f"sft/{trained.version}: {config.sft.steps} steps on {demonstrations} demonstrations")
+        print(f"  loss per assistant token {first:.4f} -> {last:.4f}")
+        print(f"policy/{policy}\n  {store.policy_dir(policy)}")
+        # the same flags: RL finds this warm start in the store and starts from it
+        print(f"RL from it (the warm start is reused, not trained again):\n  mtrl run {shlex.join(args.argv[1:])}")
 
     return run
 
@@ -452,18 +495,24 @@ def parser() -> argparse.ArgumentParser:
     config_flags(run)
     run.set_defaults(handler=command_run)
 
+    warm = commands.add_parser(
+        "sft", help="warm start: fine-tune the starting model on demonstrations, stored as a policy"
+    )
+    config_flags(warm)
+    warm.set_defaults(handler=command_sft)
+
     stage = commands.add_parser("stage", help="re-run one stage on a stored input, e.g. another estimator")
     # a metavar: argparse lists the choices (importing the stage table, and torch) only for --help
     stage.add_argument("name", choices=RerunnableStages(), metavar="NAME", help="the stage to re-run: %(choices)s")
     stage.add_argument("--from", dest="source", required=True, metavar="STAGE/VERSION", help="the stored input")
     stage.add_argument("--runs-dir", type=Path, default=Path("runs"))
-    config_flags(stage, skip=("--runs-dir",))
+    config_flags(stage, skip=("--runs-dir", "--sft-steps"))  # the starting policy is in the lineage
     stage.set_defaults(handler=command_stage)
 
     evaluate = commands.add_parser(
         "eval", help="roll out a policy on fixed evaluation tasks; the rollouts are not stored"
     )
-    config_flags(evaluate)
+    config_flags(evaluate, skip=("--sft-steps",))  # a warm start is evaluated by its version: --policy
     evaluate.add_argument("--policy", help="a policy version of the runs dir (default: --model or the embedded one)")
     evaluate.set_defaults(handler=command_eval)
 
@@ -522,6 +571,7 @@ def main(argv: list[str] | None = None, as_command: bool = False) -> int:
     """Run one command. `as_command`: this process is the `mtrl` command (entry), so its imports
     run untracked by the cycle collector; a test calling main() keeps its collector as it is."""
     args = parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv  # `mtrl sft` prints the `mtrl run` that continues it
     try:
         with interpreter.untracked_imports(enabled=as_command):
             work = args.handler(args)

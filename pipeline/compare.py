@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 from pipeline.stage_table import POLICY, STAGES
 from pipeline.store import Store, StoreError
 
-Key = tuple[str, int | None, int | None]  # stage, iteration, turn
+Key = tuple[str, int | None, int | str | None]  # stage, iteration, turn (a policy: what made it)
 
 
 def stored_items(store: Store) -> dict[Key, Path]:
@@ -30,7 +30,10 @@ def stored_items(store: Store) -> dict[Key, Path]:
             if stage in STAGES and "iteration" in STAGES[stage].features:  # rows of turns know theirs
                 rows = datasets.load_from_disk(str(path))
                 iteration = rows[0]["iteration"] if len(rows) else None
-            key = (stage, iteration, manifest.turn)  # a turn for the per-turn stages, else None
+            # a turn for the per-turn stages; for a policy the stage that trained it, since the imported
+            # model and its warm start (sft) are both of iteration -1
+            made_by = next(iter(manifest.parents), "imported")
+            key = (stage, iteration, made_by if stage == POLICY else manifest.turn)
             if key in items:
                 raise StoreError(f"{store.root} holds two versions of {key}: compare runs of one configuration")
             items[key] = path

@@ -22,9 +22,9 @@ from pipeline.tasks import (
     POLICY_ENGINE,
     execute_tools_task,
     generate_rollouts_task,
-    import_base_policy,
     run_on,
     run_stage,
+    starting_policy,
 )
 from runtime.phases import PHASES
 from runtime.threads import use_threads
@@ -46,7 +46,7 @@ def rl_iteration(
     with store.lock(), stage_runner(config.runner) as runner, PHASES.section("iteration"):
         store.clean_stale_tmp()
         if policy_version is None:
-            policy_version = lineage.latest_policy(store) or import_base_policy(store, config)
+            policy_version = lineage.latest_policy(store) or starting_policy(store, config)
         if iteration is None:
             iteration = store.manifest(POLICY, policy_version).iteration + 1
 
@@ -95,12 +95,13 @@ def rl_iteration(
 @flow(name="rl-training")
 @artifacts.sent_before_exit
 def rl_training(config: RunConfig) -> list[dict[str, Any]]:
-    """config.iterations RL iterations from the starting model, each one an rl-iteration run."""
+    """config.iterations RL iterations from the starting model (warm-started first when
+    sft.steps > 0), each one an rl-iteration run."""
     use_threads(config.runner.threads)  # a deployment's run starts here, not in `mtrl`
     load_plugins(config.task.plugins)
     store = Store(config.store.runs_dir)
     with store.lock():
-        policy_version = import_base_policy(store, config)
+        policy_version = starting_policy(store, config)
     results = []
     # one Ray for all iterations (each iteration reuses it); the iterations run in this
     # process, so this run's heartbeat covers them (prefect_settings.flow_heartbeats)
@@ -113,6 +114,20 @@ def rl_training(config: RunConfig) -> list[dict[str, Any]]:
         finally:
             POLICY_ENGINE.close()
     return results
+
+
+@flow(name="sft")
+@artifacts.sent_before_exit
+def warm_start(config: RunConfig) -> str:
+    """Import the starting model and fine-tune it on demonstrations (sft.steps steps, a stored
+    version: found, not trained again, when it exists); returns the policy version RL starts
+    from with the same config."""
+    use_threads(config.runner.threads)  # a deployment's run starts here, not in `mtrl`
+    load_plugins(config.task.plugins)
+    store = Store(config.store.runs_dir)
+    with store.lock():
+        store.clean_stale_tmp()
+        return starting_policy(store, config)
 
 
 @flow(name="rl-stage")

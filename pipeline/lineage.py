@@ -44,9 +44,10 @@ def latest_policy(store: Store) -> str | None:
 
 
 def reference_policy(store: Store, policy_version: str) -> str:
-    """The starting policy of a policy's lineage (the imported model): the KL reference."""
+    """The policy RL started from in a policy's lineage, the KL reference: the first one not
+    trained by ppo-update (the imported model, or its warm start by sft)."""
     version = policy_version
-    while parents := store.manifest(POLICY, version).parents:
+    while "ppo-update" in (parents := store.manifest(POLICY, version).parents):
         version = store.manifest("ppo-update", parents["ppo-update"]).parents[POLICY]
     return version
 
@@ -79,11 +80,17 @@ def known_fields(recorded: dict[str, Any], fields: dict[str, Any]) -> dict[str, 
 
 
 def rebuild_hint(store: Store, stage: str, version: str) -> str:
-    """How to get a missing trained policy back: the ppo-update that wrote it, run again."""
-    if stage != POLICY or not (store.root / "ppo-update").is_dir():
+    """How to get a missing trained policy back: the ppo-update or sft that wrote it, run again."""
+    if stage != POLICY:
         return ""
-    for update in store.versions("ppo-update"):
-        if update.policy == version:
-            source = f"compute-advantages/{update.parents['compute-advantages']}"
-            return f"; ppo-update/{update.version} wrote it: `mtrl stage ppo-update --from {source}` rebuilds it"
+    for writer in ("ppo-update", "sft"):
+        if not (store.root / writer).is_dir():
+            continue
+        for made in store.versions(writer):
+            if made.policy != version:
+                continue
+            if writer == "sft":
+                return f"; sft/{made.version} wrote it: `mtrl sft` with the config of that run rebuilds it"
+            source = f"compute-advantages/{made.parents['compute-advantages']}"
+            return f"; ppo-update/{made.version} wrote it: `mtrl stage ppo-update --from {source}` rebuilds it"
     return ""

@@ -41,7 +41,7 @@ def iterations(store: Store, policy_version: str | None = None) -> list[dict[str
         raise StoreError(f"no policy in {store.root}: nothing to report")
     rows = []
     version = policy_version
-    while parents := store.manifest(POLICY, version).parents:
+    while "ppo-update" in (parents := store.manifest(POLICY, version).parents):  # back to RL's starting policy
         # the iteration's versions: its ppo-update and what it was made from, back to the policies
         made = [m for m in store.walk_lineage("ppo-update", parents["ppo-update"], stop_at=POLICY) if m.stage != POLICY]
         update, rewards = made[0], next(m for m in made if m.stage == "assign-rewards")

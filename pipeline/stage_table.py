@@ -22,7 +22,7 @@ from schemas import features
 from schemas.config import RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
-POLICY = "policy"  # the other kind of stored version: a checkpoint written by ppo-update
+POLICY = "policy"  # the other kind of stored version: a checkpoint written by ppo-update or sft
 # Every stage's output depends on the row schema and the token-stream contract.
 SHARED_CODE = ("schemas/features.py", "schemas/token_stream.py")
 # A stage's code is followed through its imports into these packages only: stages/ and schemas/ hold
@@ -50,6 +50,7 @@ class Stage:
     code: tuple[str, ...] = ()  # where its code starts (a folder: its *.py); what they import is followed
     distributed: bool = False  # may run as Ray tasks (runner.kind=ray); generation and training hold a model
     rerun_from: str | None = None  # `mtrl stage NAME --from STAGE/VERSION` re-runs it on this input
+    writes_policy: bool = False  # its output is its metrics dataset and the policy it trained (manifest `policy`)
 
     @functools.cached_property
     def code_files(self) -> list[Path]:
@@ -94,6 +95,14 @@ def _environment_code(config: RunConfig) -> dict[str, str]:
     return environment_code(config)
 
 
+def _sft_task(config: RunConfig) -> dict[str, Any]:
+    """The warm start's task mix (sft.task, else task.name) and the code of its environments."""
+    from stages.tasks import environments_code
+
+    mix = config.sft_task_mix()
+    return {"mix": mix, "environment_code": environments_code([name for name, _ in mix])}
+
+
 def _engine_version(config: RunConfig) -> str | None:
     if config.generation.engine != "vllm":
         return None  # the in-process engine's libraries are the shaping libraries
@@ -106,6 +115,7 @@ DERIVED: dict[str, Callable[[RunConfig], Any]] = {
     "device": _device,  # kernels differ by device, so do the numbers
     "environment_code": _environment_code,  # the environments and tools of the task mix (user plugins too)
     "engine_version": _engine_version,  # an engine in its own environment: its library's version (vLLM)
+    "sft_task": _sft_task,  # what the warm start's demonstrations are of, and the code that writes them
 }
 
 STAGES: dict[str, Stage] = {
@@ -169,6 +179,18 @@ STAGES: dict[str, Stage] = {
             # (launch.py: where the ranks run, as ppo.nodes)
             code=("stages/ppo_update/__init__.py", "stages/ppo_update/worker.py"),
             rerun_from="compute-advantages",
+            writes_policy=True,
+        ),
+        Stage(
+            name="sft",
+            function="stages.sft:supervised_fine_tune",
+            inputs=(POLICY,),  # the imported starting policy
+            features=features.SFT,
+            # enable_thinking shapes the demonstrations' tokens, as it shapes a rollout's
+            config=("sft", "seed", "generation.enable_thinking"),
+            derived=("device", "sft_task"),
+            code=("stages/sft.py",),
+            writes_policy=True,
         ),
     )
 }

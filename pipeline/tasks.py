@@ -38,9 +38,9 @@ from pipeline.store import TMP_PREFIX, Store, copy_files
 from runtime.hashing import file_digests, version_key
 from runtime.memory import peak_memory
 from schemas.config import RunConfig
-from schemas.features import PPO_UPDATE, dataset_from_rows, token_counts
+from schemas.features import PPO_UPDATE, SFT, dataset_from_rows, token_counts
 from schemas.token_stream import chat_template_hash
-from stages import assign_rewards, compute_advantages, execute_tools, generate_rollouts, ppo_update
+from stages import assign_rewards, compute_advantages, execute_tools, generate_rollouts, ppo_update, sft
 from stages.environments import ENVIRONMENTS
 from stages.generate_rollouts.engine import GenerationEngine, open_engine
 from stages.policy import load_tokenizer, parameter_count
@@ -139,11 +139,26 @@ POLICY_ENGINE = PolicyEngine()  # the stage tasks run in the flow's process shar
 
 
 def on_disk(store: Store, stage: str, version: str) -> bool:
-    """Is this output whole on disk? ppo-update's output is its metrics dataset and the policy
-    it wrote: a deleted policy folder is rebuilt by running the update again."""
+    """Is this output whole on disk? The output of a stage that trains (ppo-update, sft) is its
+    metrics dataset and the policy it wrote: a deleted policy folder is rebuilt by running the
+    stage again."""
     if not store.exists(stage, version):
         return False
-    return stage != "ppo-update" or store.exists(POLICY, store.manifest(stage, version).policy)
+    return not STAGES[stage].writes_policy or store.exists(POLICY, store.manifest(stage, version).policy)
+
+
+def write_trained_policy(
+    store: Store, stage: str, version: str, save: Callable[[Path], dict[str, Any]], iteration: int
+) -> tuple[str, dict[str, Any]]:
+    """Store the policy a training stage's version produced; its version is named by that stage
+    version alone. Returns the policy version and its files' digests (the stage's manifest
+    records them: a rebuilt policy, after its folder was deleted, must be the same bytes, since
+    later versions were made from the deleted ones)."""
+    policy = version_key(POLICY, POLICY_CODE_VERSION, {}, {stage: version})
+    manifest = {"parents": {stage: version}, "code_version": POLICY_CODE_VERSION, "iteration": iteration}
+    written_before = store.manifest(stage, version).extra("policy_files") if store.exists(stage, version) else None
+    written = store.write(POLICY, policy, save, manifest, expected_files=written_before)
+    return policy, written.files
 
 
 Compute = Callable[..., tuple[datasets.Dataset, dict[str, Any]]]
@@ -363,17 +378,7 @@ def ppo_update_task(
                 memory = {name: max(rank[name] for rank in ranks) for name in ("rss_before_mb", "peak_rss_mb")}
                 memory["ranks"] = ranks
                 placement["nodes"] = trained.nodes
-        next_policy = version_key(POLICY, POLICY_CODE_VERSION, {}, {"ppo-update": version})
-        policy_manifest = {
-            "parents": {"ppo-update": version},
-            "code_version": POLICY_CODE_VERSION,
-            "iteration": iteration,
-        }
-        # a rebuilt policy (its folder was deleted) must be the bytes that later versions were made from
-        written_before = (
-            store.manifest("ppo-update", version).extra("policy_files") if store.exists("ppo-update", version) else None
-        )
-        written = store.write(POLICY, next_policy, trained.save, policy_manifest, expected_files=written_before)
+        next_policy, policy_files = write_trained_policy(store, "ppo-update", version, trained.save, iteration)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return dataset_from_rows(trained.metrics, PPO_UPDATE), {
@@ -388,9 +393,44 @@ def ppo_update_task(
         "optimizer_state_restored": trained.optimizer_state_restored,
         "old_logprobs": "recomputed" if recompute else "generation",
         "policy": next_policy,
-        "policy_files": written.files,
+        "policy_files": policy_files,
         **placement,
     }
+
+
+@stage_task("sft")
+def sft_task(
+    store: Store, config: RunConfig, version: str, parents: dict[str, str]
+) -> tuple[datasets.Dataset, dict[str, Any]]:
+    """The warm start: fine-tune the starting policy on demonstrations and write the result as a
+    policy of iteration -1 (RL's iteration 0 trains it), then the per-step metrics."""
+    load_plugins(config.task.plugins)  # the demonstrations' environments may be a plugin's
+    with peak_memory() as memory:
+        trained = sft.supervised_fine_tune(
+            store.policy_dir(parents[POLICY]),
+            config=config.sft,
+            task_mix=config.sft_task_mix(),
+            seed=config.seed,
+            enable_thinking=config.generation.enable_thinking,
+            device=config.model.device,
+        )
+    policy, policy_files = write_trained_policy(store, "sft", version, trained.save, iteration=-1)
+    return dataset_from_rows(trained.metrics, SFT), {
+        "iteration": -1,
+        "metrics": sft.metrics_summary(trained.metrics),
+        "memory": memory,
+        "policy": policy,
+        "policy_files": policy_files,
+    }
+
+
+def starting_policy(store: Store, config: RunConfig) -> str:
+    """The policy RL starts from (and the KL reference): the imported model, or with sft.steps > 0
+    its warm start (a stored version: the same settings on the same model train once)."""
+    base = import_base_policy(store, config)
+    if config.sft.steps == 0:
+        return base
+    return store.manifest("sft", run_stage(sft_task, config, {POLICY: base})).policy
 
 
 # ---------------------------------------------------------------------------------------

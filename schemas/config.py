@@ -47,6 +47,21 @@ class ModelConfig(Section):
     )
 
 
+def parse_task_mix(name: str) -> list[tuple[str, float]]:
+    """(environment, weight) pairs of a task mix such as 'calculator:3,weather:1'; weights default to 1."""
+    pairs = []
+    for part in name.split(","):
+        env, _, weight = part.strip().partition(":")
+        try:
+            value = float(weight) if weight else 1.0
+        except ValueError:
+            raise ValueError(f"task '{part}': the weight after ':' must be a number") from None
+        if not env or value <= 0:
+            raise ValueError(f"task '{part}': expected NAME or NAME:WEIGHT with a positive weight")
+        pairs.append((env, value))
+    return pairs
+
+
 class TaskConfig(Section):
     name: str = Field(
         "calculator",
@@ -78,17 +93,7 @@ class TaskConfig(Section):
 
     def mix(self) -> list[tuple[str, float]]:
         """(environment, weight) pairs of `name`; weights default to 1."""
-        pairs = []
-        for part in self.name.split(","):
-            env, _, weight = part.strip().partition(":")
-            try:
-                value = float(weight) if weight else 1.0
-            except ValueError:
-                raise ValueError(f"task '{part}': the weight after ':' must be a number") from None
-            if not env or value <= 0:
-                raise ValueError(f"task '{part}': expected NAME or NAME:WEIGHT with a positive weight")
-            pairs.append((env, value))
-        return pairs
+        return parse_task_mix(self.name)
 
     def groups_per_task(self) -> list[str]:
         """The environment of each group: weights split the groups by largest remainder."""
@@ -332,6 +337,38 @@ class PPOConfig(Section):
         return self
 
 
+class SFTConfig(Section):
+    """The warm start: supervised fine-tuning of the starting model on environment demonstrations
+    (`mtrl sft`, and `mtrl run` before its first iteration). Its result is a stored policy; the RL
+    stages see these fields only through that policy's version."""
+
+    steps: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="Optimiser steps of supervised fine-tuning on demonstrations before RL; 0 = no warm start "
+        "(RL starts from the imported model).",
+    )
+    task: str | None = Field(
+        None,
+        description="Environment or weighted mix whose demonstrations are trained on (as task.name, e.g. "
+        "'calculator:3,weather:1'); null = task.name. It may differ from the RL task.",
+    )
+    batch_size: int = Field(8, ge=1, le=65536, description="Demonstrations per optimiser step, freshly sampled.")
+    learning_rate: float = Field(1e-4, gt=0.0, le=1.0, description="AdamW learning rate (a fresh AdamW, not stored).")
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear learning-rate warm-up from 0.")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradients are clipped to this global L2 norm.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute layer activations in the backward pass (less memory, more compute)."
+    )
+
+    @model_validator(mode="after")
+    def _a_valid_task_mix(self) -> SFTConfig:
+        if self.task is not None:
+            parse_task_mix(self.task)  # raises on a malformed mix
+        return self
+
+
 class AuditConfig(Section):
     """The checks a compute-advantages version passes before ppo-update trains on it (pipeline/audit.py).
     They decide whether the update runs, not what it computes: no version hashes them."""
@@ -393,6 +430,7 @@ class RunConfig(Section):
     reward: RewardConfig = RewardConfig()
     advantage: AdvantageConfig = AdvantageConfig()
     ppo: PPOConfig = PPOConfig()
+    sft: SFTConfig = SFTConfig()
     audit: AuditConfig = AuditConfig()
     store: StoreConfig = StoreConfig()
     runner: RunnerConfig = RunnerConfig()
@@ -427,6 +465,10 @@ class RunConfig(Section):
                 raise ValueError(f"unknown config field '{dotted}'")
             node[leaf] = value
         return RunConfig.model_validate(data)
+
+    def sft_task_mix(self) -> list[tuple[str, float]]:
+        """The (environment, weight) pairs the warm start's demonstrations come from: sft.task, else task.name."""
+        return parse_task_mix(self.sft.task or self.task.name)
 
     def recomputes_old_logprobs(self) -> bool:
         """ppo.recompute_old_logprobs with null resolved. ppo-update trains the policy that

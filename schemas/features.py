@@ -123,6 +123,17 @@ PPO_UPDATE = Features(  # one row per optimiser step; null where a term is off
     }
 )
 
+SFT = Features(  # one row per optimiser step of the warm start
+    {
+        "step": Value("int32"),
+        "demonstrations": Value("int32"),
+        "tokens": Value("int32"),  # assistant tokens trained on (the loss's)
+        "learning_rate": Value("float32"),
+        "loss": Value("float32"),  # mean negative log-likelihood per assistant token
+        "grad_norm": Value("float32"),
+    }
+)
+
 
 def dataset_from_rows(rows: list[dict], features: Features) -> Dataset:
     """A dataset with exactly these features (missing keys become null), also when empty."""

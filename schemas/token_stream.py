@@ -76,6 +76,25 @@ def _end_of_assistant_turn(tokenizer: Any) -> str:
     return text[end + len(tokenizer.eos_token) :]
 
 
+def assistant_token_ids(tokenizer: Any, message: dict[str, Any], enable_thinking: bool) -> list[int]:
+    """The tokens a model writes for this assistant message after the generation prompt, ending
+    with the EOS token: what a rollout samples, so that a demonstration (supervised fine-tuning)
+    is the completion a rollout would hold. The message is rendered as the newest turn after a
+    user turn, where templates such as Qwen3's show its <think> block; with thinking off the
+    generation prompt holds an empty <think> block already, so the reasoning is left out."""
+    if not enable_thinking:
+        message = {key: value for key, value in message.items() if key != "reasoning_content"}
+    prompt = _render(tokenizer, _PLACEHOLDER_USER, None, add_generation_prompt=True, enable_thinking=enable_thinking)
+    rendered = _render(tokenizer, _PLACEHOLDER_USER + [message], None, enable_thinking=enable_thinking)
+    end = _end_of_assistant_turn(tokenizer)
+    if not rendered.startswith(prompt) or not rendered.endswith(tokenizer.eos_token + end):
+        raise ValueError(
+            "the chat template does not render an assistant turn as the generation prompt followed by the turn "
+            f"and {tokenizer.eos_token!r}; its completion tokens are undefined"
+        )
+    return _encode(tokenizer, rendered[len(prompt) : len(rendered) - len(end)])
+
+
 def observation_token_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     """Tokens the chat template appends after an assistant turn that ended with the EOS token
     and before the next generation prompt, for the given tool/user messages."""

@@ -31,13 +31,23 @@ def load_plugins(modules: list[str]) -> None:
 def environment_code(config: RunConfig) -> dict[str, str]:
     """Code version of each environment of the task mix and of its tools: a hash of the source
     files that define them, so editing a reward function or a tool gives new versions."""
+    return environments_code([name for name, _ in config.task.mix()])
+
+
+def environments_code(names: list[str]) -> dict[str, str]:
+    """environment_code of these environments (e.g. the warm start's mix, sft.task)."""
     versions = {}
-    for name, _ in config.task.mix():
+    for name in names:
         environment = ENVIRONMENTS[name]
         files = {inspect.getsourcefile(type(environment))}
         files |= {inspect.getsourcefile(TOOLS[tool]) for tool in environment.tools}
         versions[name] = source_version(*sorted(files))
     return versions
+
+
+def tool_schemas(environment: Any) -> list[dict[str, Any]]:
+    """The JSON schemas of an environment's tools, as its prompts show them to the model."""
+    return [tool_schema(TOOLS[tool]) for tool in environment.tools]
 
 
 def task_turn_limits(config: RunConfig) -> dict[str, int]:
@@ -85,7 +95,7 @@ def check_tools_reach_the_model(tokenizer: Any, config: RunConfig, model: str) -
     for name, _ in config.task.mix():
         environment = ENVIRONMENTS[name]
         messages = environment.reset(environment.sample_task(random.Random(0)))
-        tools = [tool_schema(TOOLS[tool]) for tool in environment.tools]
+        tools = tool_schemas(environment)
         thinking = config.generation.enable_thinking
         prompt = prompt_token_ids(tokenizer, messages, tools, thinking)
         if prompt == prompt_token_ids(tokenizer, messages, None, thinking):
@@ -105,7 +115,7 @@ def rollout_starts(config: RunConfig, iteration: int) -> list[dict[str, Any]]:
     starts = []
     for group_id, name in enumerate(config.task.groups_per_task()):
         environment = ENVIRONMENTS[name]
-        tools = [tool_schema(TOOLS[tool]) for tool in environment.tools]
+        tools = tool_schemas(environment)
         try:
             task = environment.sample_task(rng)
             messages = environment.reset(task)

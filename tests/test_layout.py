@@ -24,6 +24,7 @@ STAGE_PACKAGES = (  # the stages proper; every other module of stages/ is shared
     "stages.assign_rewards",
     "stages.compute_advantages",
     "stages.ppo_update",
+    "stages.sft",
 )
 
 
@@ -113,6 +114,9 @@ MUST = {
     "compute-advantages": {"stages/compute_advantages.py", "stages/policy.py"},
     "ppo-update": {"stages/ppo_update/__init__.py", "stages/ppo_update/worker.py", "stages/ppo_update/checkpoint.py",
                    "stages/policy.py", "stages/sharding.py"},
+    # demonstrations are rendered as the rollouts' token streams and scored as PPO scores
+    "sft": {"stages/sft.py", "stages/environments.py", "stages/tasks.py", "stages/policy.py",
+            "schemas/token_stream.py"},
 }  # fmt: skip
 MUST_NOT = {
     # the tool sandbox runs calls: generation renders the tools' schemas only
@@ -126,6 +130,9 @@ MUST_NOT = {
     # the torchrun/Ray launcher decides where the ranks run, as ppo.nodes does; the memory sampler measures
     "ppo-update": {"stages/ppo_update/launch.py", "runtime/torchrun.py", "runtime/memory.py",
                    "runtime/processes.py", "stages/generate_rollouts/__init__.py"},
+    # it starts from an imported model: no rollouts, no tool sandbox, no PPO optimiser state
+    "sft": {"stages/ppo_update/__init__.py", "stages/ppo_update/checkpoint.py", "stages/generate_rollouts/__init__.py",
+            "stages/execute_tools/calls.py", "stages/sharding.py"},
 }  # fmt: skip
 
 

@@ -1,0 +1,188 @@
+"""sft: the warm start. Supervised fine-tuning of the starting policy on environment
+demonstrations, so that RL starts from a model that knows the tool-call format (as verl, TRL
+and OpenRLHF offer an SFT trainer before RL). One row of metrics per optimiser step.
+
+Each demonstration (`Environment.demonstration(task)`: an expert conversation, tool calls and
+tool results included) becomes the token stream a rollout of it would hold
+(docs/token-stream.md): the prompt, then per assistant message the tokens the model would
+sample (`schemas.token_stream.assistant_token_ids`, ending with EOS), then the observation's
+delta tokens and the next generation prompt. The model is trained on exactly the layout it
+generates in, whatever its chat template does with earlier turns, and the loss covers the
+assistant tokens only: the negative log-likelihood, scored through the path PPO uses
+(`stages.policy.forward_targets`, at temperature 1).
+
+The optimiser is a fresh AdamW and its state is not stored: RL starts a fresh one from the
+result, as from an imported model.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from schemas.config import SFTConfig
+from schemas.token_stream import assistant_token_ids, generation_prompt_ids, observation_token_ids, prompt_token_ids
+from stages.environments import ENVIRONMENTS, Environment
+from stages.policy import RolloutSequence, collate, forward_targets, load_model, load_tokenizer
+from stages.tasks import tool_schemas
+
+LOGPROB_CHUNK_TOKENS = 1024  # tokens per chunk of the vocabulary projection: bounds memory, not the result
+Conversation = tuple[list[dict[str, Any]], list[dict[str, Any]]]  # (messages, tool schemas)
+
+
+def check_demonstrations(task_mix: list[tuple[str, float]]) -> None:
+    """Every environment of the warm start's mix is registered and can demonstrate its task."""
+    for name, _ in task_mix:
+        if name not in ENVIRONMENTS:
+            raise ValueError(f"sft: unknown task '{name}'; valid: {', '.join(sorted(ENVIRONMENTS))}")
+        if type(ENVIRONMENTS[name]).demonstration is Environment.demonstration:
+            raise ValueError(
+                f"sft: environment '{name}' has no demonstration(task), so there is nothing to fine-tune on; "
+                "set sft.task to environments that have one, or sft.steps=0"
+            )
+
+
+def sample_demonstrations(task_mix: list[tuple[str, float]], rng: random.Random, count: int) -> list[Conversation]:
+    """`count` demonstrations of freshly sampled tasks, each environment drawn by its weight."""
+    names, weights = zip(*task_mix)
+    conversations = []
+    for _ in range(count):
+        environment = ENVIRONMENTS[rng.choices(names, weights)[0]]
+        conversations.append((environment.demonstration(environment.sample_task(rng)), tool_schemas(environment)))
+    return conversations
+
+
+def demonstration_sequence(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]], enable_thinking: bool
+) -> RolloutSequence:
+    """The token stream a rollout of this conversation holds, with its assistant tokens as the
+    targets: the prompt of the messages before the first assistant turn, then per assistant
+    turn its completion tokens; between two assistant turns the observation's delta tokens
+    (tool results, environment replies) and the generation prompt. Messages after the last
+    assistant turn are left out: a rollout ends with its last completion."""
+    first = next((i for i, message in enumerate(messages) if message["role"] == "assistant"), None)
+    if first is None:
+        raise ValueError("a demonstration needs at least one assistant message")
+    sequence = RolloutSequence(token_ids=prompt_token_ids(tokenizer, messages[:first], tools, enable_thinking))
+    observation: list[dict[str, Any]] | None = None  # the messages since the last assistant turn
+    for message in messages[first:]:
+        if message["role"] != "assistant":
+            observation = [*(observation or []), message]
+            continue
+        if observation is not None:  # not the first turn: the observation, then the next turn opens
+            sequence.token_ids += observation_token_ids(tokenizer, observation)
+            sequence.token_ids += generation_prompt_ids(tokenizer, enable_thinking)
+        completion = assistant_token_ids(tokenizer, message, enable_thinking)
+        sequence.target_positions += range(len(sequence.token_ids), len(sequence.token_ids) + len(completion))
+        sequence.token_ids += completion
+        observation = []
+    return sequence
+
+
+def train_on_demonstrations(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    *,
+    config: SFTConfig,
+    task_mix: list[tuple[str, float]],
+    seed: int,
+    enable_thinking: bool,
+    report_progress: Callable[[float], None] | None = None,
+) -> list[dict[str, float]]:
+    """Optimise `model` in place for config.steps AdamW steps, each on config.batch_size fresh
+    demonstrations (seeded: the same seed trains on the same ones); the loss is the mean
+    negative log-likelihood of their assistant tokens. Returns one metrics dict per step."""
+    torch.manual_seed(seed)
+    rng = random.Random(f"sft/{seed}")  # apart from the RL iterations' task seeds ("tasks/...")
+    device = next(model.parameters()).device
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=0.0)
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    metrics: list[dict[str, float]] = []
+    for step in range(config.steps):
+        learning_rate = config.learning_rate * min(1.0, (step + 1) / (config.warmup_steps + 1))
+        optimizer.param_groups[0]["lr"] = learning_rate
+        sequences = [
+            demonstration_sequence(tokenizer, messages, tools, enable_thinking)
+            for messages, tools in sample_demonstrations(task_mix, rng, config.batch_size)
+        ]
+        batch = collate(sequences, tokenizer.pad_token_id, device)
+        logprobs, _, _ = forward_targets(model, batch, 1.0, LOGPROB_CHUNK_TOKENS)
+        loss = -logprobs.mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm)
+        optimizer.step()
+        metrics.append(
+            {
+                "step": step,
+                "demonstrations": len(sequences),
+                "tokens": len(logprobs),
+                "learning_rate": learning_rate,
+                "loss": loss.item(),
+                "grad_norm": float(norm),
+            }
+        )
+        if report_progress is not None:
+            report_progress((step + 1) / config.steps)
+    optimizer.zero_grad(set_to_none=True)
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_disable()
+    model.eval()
+    return metrics
+
+
+def metrics_summary(metrics: list[dict[str, float]]) -> dict[str, float]:
+    """For the manifest: the loss of the first and the last step, and the tokens trained on."""
+    if not metrics:
+        return {}
+    return {
+        "first_loss": metrics[0]["loss"],
+        "last_loss": metrics[-1]["loss"],
+        "tokens": sum(row["tokens"] for row in metrics),
+    }
+
+
+@dataclass
+class FineTunedPolicy:
+    model: torch.nn.Module
+    tokenizer: Any
+    metrics: list[dict[str, float]]  # one row per optimiser step
+
+    def save(self, directory: Path) -> dict[str, Any]:
+        """The checkpoint and its tokenizer (its chat template): no AdamW state, no value head."""
+        self.model.save_pretrained(directory)
+        self.tokenizer.save_pretrained(directory)
+        return {}
+
+
+def supervised_fine_tune(
+    policy_dir: str | Path,
+    *,
+    config: SFTConfig,
+    task_mix: list[tuple[str, float]],
+    seed: int,
+    enable_thinking: bool,
+    device: str,
+    report_progress: Callable[[float], None] | None = None,
+) -> FineTunedPolicy:
+    """sft: load the policy (float32), train it on demonstrations of `task_mix`, and return it
+    ready to save as a new policy."""
+    model, tokenizer = load_model(policy_dir, "float32", device), load_tokenizer(str(policy_dir))
+    metrics = train_on_demonstrations(
+        model,
+        tokenizer,
+        config=config,
+        task_mix=task_mix,
+        seed=seed,
+        enable_thinking=enable_thinking,
+        report_progress=report_progress,
+    )
+    return FineTunedPolicy(model, tokenizer, metrics)
