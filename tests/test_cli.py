@@ -91,14 +91,19 @@ def test_run_then_ls_show_lineage(tmp_path, capsys):
     assert "1 stored item(s) differ" in report.err
 
 
-def test_eval_rolls_out_a_policy_without_storing_anything(tmp_path, capsys):
+def test_eval_rolls_out_a_policy_storing_only_the_imported_model(tmp_path, capsys):
     import json
+
+    from pipeline.store import Store
 
     runs = tmp_path / "runs"
     assert main(["eval", "--runs-dir", str(runs), "--rollouts", "4", "--group-size", "2", "--max-turns", "3"]) == 0
     metrics = json.loads(capsys.readouterr().out)
     assert metrics["rollouts"] == 4 and 0.0 <= metrics["success_rate"] <= 1.0 and "per_task" in metrics
-    assert not runs.exists() or not any(p.name != ".prefect" for p in runs.iterdir())
+    # the starting model is imported as a run would import it; no rollout is stored
+    (imported,) = Store(runs).versions()
+    assert imported.stage == "policy" and imported.iteration == -1
+    assert metrics["policy"] == str(Store(runs).policy_dir(imported.version))
 
 
 def test_a_model_without_a_chat_template_is_refused(tmp_path, capsys):
