@@ -30,7 +30,7 @@ from prefect import get_run_logger, task
 from pipeline import artifacts, lineage
 from pipeline.artifacts import ppo_progress, publish_stage, turn_progress
 from pipeline.audit import audit_before_training
-from pipeline.models import resolve_model_dir
+from pipeline.models import resolve_model
 from pipeline.runners import map_row_shards
 from pipeline.stage_table import POLICY, STAGES
 from pipeline.store import TMP_PREFIX, Store, copy_files
@@ -64,15 +64,16 @@ def import_base_policy(store: Store, config: RunConfig) -> str:
     """Store the starting model as the policy version of iteration -1. Its files are copied
     into the store, so the runs dir stands alone: moved or copied to another machine it keeps
     its lineage root. The version is the hash of the files, so the same model imported from
-    anywhere is the same version."""
-    model_dir = resolve_model_dir(config.model.path)
-    load_tokenizer(model_dir)  # fail early, before any work, if it has no chat template
-    digests = file_digests(model_dir)
+    anywhere is the same version. A GGUF file is imported as the folder it converts to
+    (pipeline/models.py), and the manifest names the file."""
+    model = resolve_model(config.model.path)
+    load_tokenizer(model.folder)  # fail early, before any work, if it has no chat template
+    digests = file_digests(model.folder)
     version = version_key(POLICY, POLICY_CODE_VERSION, {"source_files": digests}, {})
 
     def fill(tmp: Path) -> dict[str, Any]:
-        copy_files(model_dir, tmp, digests)
-        return {"imported_from": str(model_dir)}
+        copy_files(model.folder, tmp, digests)
+        return {"imported_from": str(model.source)}
 
     store.write(POLICY, version, fill, {"iteration": -1, "code_version": POLICY_CODE_VERSION})
     return version
