@@ -52,7 +52,7 @@ RUN_FLAGS = {  # flag -> (config field, type, help)
     "--advantage": ("advantage.estimator", str, "advantage estimator"),
     "--engine": ("generation.engine", str, "generation engine: hf or vllm"),
     "--seed": ("seed", int, "seed of tasks, sampling and training"),
-    "--model": ("model.path", str, "local HF causal-LM directory or hub id (default: embedded tiny model)"),
+    "--model": ("model.path", str, "local HF causal-LM directory, GGUF file or hub id (default: embedded tiny model)"),
     "--runner": ("runner.kind", str, "where tools run: thread or ray"),
     "--runs-dir": ("store.runs_dir", str, "root of the versioned store"),
     "--sft-steps": ("sft.steps", int, "warm-start steps on demonstrations before RL (0 = none)"),

@@ -28,6 +28,7 @@ from typing import Any
 
 from pipeline import prefect_patches
 from pipeline.prefect_settings import configure, prefect_home
+from runtime.cache import cache_dir
 from runtime.processes import dies_with_this_thread, free_port
 
 
@@ -124,10 +125,7 @@ def database_template_dir() -> Path | None:
         return None
     from importlib import metadata
 
-    cache = Path(
-        os.environ.get("MTRL_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mtrl"
-    )
-    return cache / f"prefect-{metadata.version('prefect')}-database"
+    return cache_dir() / f"prefect-{metadata.version('prefect')}-database"
 
 
 def use_database_template(home: Path) -> str:

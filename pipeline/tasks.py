@@ -31,7 +31,7 @@ from prefect import get_run_logger, task
 from pipeline import artifacts, lineage
 from pipeline.artifacts import ppo_progress, publish_stage, turn_progress
 from pipeline.audit import audit_before_training
-from pipeline.models import resolve_model_dir, starting_tokenizer
+from pipeline.models import resolve_model, starting_tokenizer
 from pipeline.runners import map_row_shards
 from pipeline.stage_table import POLICY, STAGES
 from pipeline.store import TMP_PREFIX, Store, copy_files
@@ -66,21 +66,22 @@ def import_base_policy(store: Store, config: RunConfig) -> str:
     """Store the starting model as the policy version of iteration -1. Its files are copied
     into the store, so the runs dir stands alone: moved or copied to another machine it keeps
     its lineage root. The version is the hash of the files, so the same model imported from
-    anywhere is the same version."""
-    model_dir = resolve_model_dir(config.model.path)
+    anywhere is the same version. A GGUF file is imported as the folder it converts to
+    (pipeline/models.py), and the manifest names the file."""
+    model = resolve_model(config.model.path)
     tokenizer = starting_tokenizer(config)  # fail early, before any work, on a template that hides the tools
-    digests = file_digests(model_dir)
+    digests = file_digests(model.folder)
     identity: dict[str, Any] = {"source_files": digests}
     if config.model.chat_template is not None:  # the same files with another template: another policy
         identity["chat_template_sha256"] = chat_template_hash(tokenizer)
     version = version_key(POLICY, POLICY_CODE_VERSION, identity, {})
 
     def fill(tmp: Path) -> dict[str, Any]:
-        copy_files(model_dir, tmp, digests)
+        copy_files(model.folder, tmp, digests)
         if config.model.chat_template is None:
-            return {"imported_from": str(model_dir)}
+            return {"imported_from": str(model.source)}
         tokenizer.save_pretrained(tmp)  # stored with the policy: every stage reads the template from there
-        return {"imported_from": str(model_dir), "chat_template": config.model.chat_template}
+        return {"imported_from": str(model.source), "chat_template": config.model.chat_template}
 
     store.write(POLICY, version, fill, {"iteration": -1, "code_version": POLICY_CODE_VERSION})
     return version

@@ -31,16 +31,21 @@ def version_key(stage: str, code_version: str, config: dict[str, Any], parents: 
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:VERSION_CHARS]
 
 
+def file_digest(path: Path) -> dict[str, Any]:
+    """Size and xxh3-128 of one file."""
+    hasher = xxhash.xxh3_128()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            hasher.update(block)
+    return {"bytes": path.stat().st_size, "xxh3_128": hasher.hexdigest()}
+
+
 def file_digests(folder: Path) -> dict[str, dict[str, Any]]:
     """Size and xxh3-128 of every file under `folder` (the manifest aside), by relative path."""
-    digests = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
-        hasher = xxhash.xxh3_128()
-        with path.open("rb") as handle:
-            for block in iter(lambda: handle.read(1 << 22), b""):
-                hasher.update(block)
-        digests[str(path.relative_to(folder))] = {"bytes": path.stat().st_size, "xxh3_128": hasher.hexdigest()}
-    return digests
+    return {
+        str(path.relative_to(folder)): file_digest(path)
+        for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    }
 
 
 def digest_problems(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:

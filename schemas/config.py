@@ -30,7 +30,7 @@ class Section(BaseModel):
 
 class ModelConfig(Section):
     path: str | None = Field(
-        None, description="Local HF causal-LM directory or hub id; null means the embedded tiny model."
+        None, description="Local HF causal-LM directory, GGUF file or hub id; null means the embedded tiny model."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Weights dtype for generation and evaluation (training and scoring use float32)."

@@ -45,7 +45,7 @@ class Manifest(BaseModel):
     metrics: dict[str, Any] = Field(default_factory=dict)
     active: int | None = None  # execute-tools: rollouts still going on after this turn
     policy: str | None = None  # ppo-update: the policy version it wrote
-    imported_from: str | None = None  # the base policy: the folder its files were linked or copied from
+    imported_from: str | None = None  # the base policy: the folder its files were copied from, or the GGUF file
     source_path: str | None = None  # a base policy imported by an older mtrl, loaded from there (not copied)
     files: dict[str, dict[str, Any]] = Field(default_factory=dict)  # relative path -> bytes and xxh3 digest
     library_versions: dict[str, str] = Field(default_factory=dict)

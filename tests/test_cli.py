@@ -18,7 +18,7 @@ from schemas.config import RunConfig
     [
         (["--task", "chess"], "unknown task 'chess'; valid: calculator"),
         (["--advantage", "ppo2"], "unknown advantage estimator 'ppo2'; valid: gae, grpo, reinforce++"),
-        (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such directory"),
+        (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such file or directory"),
         (["--rollouts", "10", "--group-size", "4"], "rollouts (10) must be a multiple of group_size (4)"),
         (["--set", "ppo.learning_rate=-1"], "ppo.learning_rate: Input should be greater than 0"),
         (["--set", "ppo.nonsense=1"], "unknown config field 'ppo.nonsense'"),

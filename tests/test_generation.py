@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import warnings
+
 import pytest
 import torch
 
@@ -152,3 +155,40 @@ def test_a_context_budget_beyond_the_models_positions_is_refused(tiny):
     config = RunConfig(generation={"max_context_tokens": 8192})
     with pytest.raises(ValueError, match=r"max_context_tokens \(8192\) exceeds .* \(4096 tokens\)"):
         generate_rollouts(engine, tokenizer, config=config.generation, seed=0, iteration=0, turn=0, policy_version="v")
+
+
+def test_the_hf_engine_passes_its_kv_cache_without_a_deprecation_warning(tiny):
+    """transformers 5.24 renamed the cache argument and output field to `cache`; the old name
+    `past_key_values` warns (a FutureWarning on the argument, a logged warning on the output
+    field) and is removed in 5.40. Two turns: the second continues the first's cache."""
+    from transformers.utils import logging as transformers_logging
+
+    model, tokenizer = tiny
+    engine = HFEngine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode)
+    prompt = tokenizer.encode("<|im_start|>user\nEvaluate 2+3.<|im_end|>\n<|im_start|>assistant\n")
+    handler = RecordingHandler()
+    transformers_logger = logging.getLogger("transformers")
+    transformers_logging.warning_once.cache_clear()  # a message logged once already would not be logged again
+    transformers_logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            (first,) = engine.sample([Request(0, prompt, 1, 8)], Sampling(1.0))
+            assert engine.can_continue([Request(0, prompt + first.token_ids + prompt, 2, 8)])
+            engine.sample([Request(0, prompt + first.token_ids + prompt, 2, 8)], Sampling(1.0))
+    finally:
+        transformers_logger.removeHandler(handler)
+    deprecations = [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    assert deprecations == []
+    assert [message for message in handler.messages if "deprecated" in message] == []
+
+
+class RecordingHandler(logging.Handler):
+    """Keeps the messages of a logger that does not propagate to pytest's caplog (transformers')."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())

@@ -29,7 +29,8 @@ def test_parse_well_formed_calls_in_order():
 def test_parse_reports_what_is_malformed():
     cases = {
         "<tool_call>{not json}</tool_call>": "not valid JSON",
-        "<tool_call>[1, 2]</tool_call>": "JSON object",
+        "<tool_call>1</tool_call>": "JSON object",
+        "<tool_call>[]</tool_call>": "tool call list is empty",
         '<tool_call>{"arguments": {}}</tool_call>': "no 'name'",
         '<tool_call>{"name": "f", "arguments": [1]}</tool_call>': "must be a JSON object",
         '<tool_call>{"name": "f", "arguments": "{oops"}</tool_call>': "not valid JSON",
@@ -39,6 +40,56 @@ def test_parse_reports_what_is_malformed():
         (call,) = parse_tool_calls(text)
         assert call.error is not None and message in call.error, (text, call.error)
     assert parse_tool_calls("no calls here") == []
+
+
+def test_a_list_of_calls_in_one_block_runs_every_call():
+    """SmolLM2 writes its calls as one JSON list in one block: each element is a call of its
+    own, numbered on from the calls before it."""
+    calls = parse_tool_calls(
+        '<tool_call>[{"name": "calculate", "arguments": {"expression": "2*21"}}, '
+        '{"name": "calculate", "arguments": "{\\"expression\\": \\"1+2\\"}"}]</tool_call>'
+        '<tool_call>{"name": "calculate", "arguments": {"expression": "7-4"}}</tool_call>'
+    )
+    assert [(c.id, c.name, c.arguments, c.error) for c in calls] == [
+        ("call_0", "calculate", {"expression": "2*21"}, None),
+        ("call_1", "calculate", {"expression": "1+2"}, None),
+        ("call_2", "calculate", {"expression": "7-4"}, None),
+    ]
+    results = run_tool_calls(calls, TOOLS, timeout_s=30)
+    assert [(r.call_id, r.content, r.error) for r in results] == [
+        ("call_0", "42", None),
+        ("call_1", "3", None),
+        ("call_2", "3", None),
+    ]
+
+
+def test_a_malformed_element_of_a_call_list_fails_alone():
+    calls = parse_tool_calls(
+        '<tool_call>[{"name": "calculate", "arguments": {"expression": "6*7"}}, {"arguments": {}}, '
+        '[{"name": "calculate", "arguments": {"expression": "1"}}], "calculate", '
+        '{"name": "calculate", "arguments": [1]}, {"name": "calculate", "arguments": {"expression": "1+1"}}]</tool_call>'
+    )
+    assert [c.id for c in calls] == [f"call_{i}" for i in range(6)]
+    assert [c.error for c in calls] == [
+        None,
+        "tool call has no 'name' string",
+        "tool call must be a JSON object with 'name' and 'arguments'",  # a nested list is not a call
+        "tool call must be a JSON object with 'name' and 'arguments'",
+        "'arguments' must be a JSON object",
+        None,
+    ]
+    results = run_tool_calls(calls, TOOLS, timeout_s=30)
+    assert [r.error for r in results] == [None, "malformed", "malformed", "malformed", "malformed", None]
+    assert results[0].content == "42" and results[5].content == "2"
+    assert results[2].content == "Error: tool call must be a JSON object with 'name' and 'arguments'"
+
+
+def test_an_empty_call_list_is_one_malformed_call():
+    (call,) = parse_tool_calls("<tool_call>[]</tool_call>")
+    assert call.id == "call_0" and call.name == "" and call.arguments == {}
+    assert call.error == "tool call list is empty: expected JSON objects with 'name' and 'arguments'"
+    (result,) = run_tool_calls([call], TOOLS, timeout_s=30)
+    assert result.error == "malformed" and result.content == f"Error: {call.error}"
 
 
 @settings(max_examples=300, deadline=None)

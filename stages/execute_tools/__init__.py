@@ -1,4 +1,4 @@
-"""execute-tools: parse the Hermes tool calls of each assistant turn, run them, and append
+"""execute-tools: parse the tool calls of each assistant turn, run them, and append
 the tool/environment observation to the rollout as exact chat-template delta tokens.
 
 Reads one generate-rollouts round; writes one row per rollout turn with everything known

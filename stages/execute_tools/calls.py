@@ -1,5 +1,6 @@
-"""Tool calls: parse Hermes/Qwen3 <tool_call> blocks, validate arguments against the tool's
-schema, and run the calls of one message concurrently, each in a killable process.
+"""Tool calls: parse <tool_call> blocks (Hermes/Qwen3: one JSON object; SmolLM2: a JSON list of
+them), validate arguments against the tool's schema, and run the calls of one message
+concurrently, each in a killable process.
 
 Nothing here raises on model output. Every failure becomes a ToolResult whose `content` the
 model can read and whose `error` is one of FAILURE_KINDS. A tool that cannot run as configured
@@ -53,14 +54,8 @@ class ToolResult:
 _CALL_BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 
 
-def _parse_one(body: str, closed: bool, index: int) -> ToolCall:
-    call_id = f"call_{index}"
-    if not closed:
-        return ToolCall("", {}, "unclosed <tool_call> block", call_id)
-    try:
-        payload = json.loads(body)
-    except (ValueError, RecursionError) as exc:
-        return ToolCall("", {}, f"tool call is not valid JSON: {str(exc)[:200]}", call_id)
+def _parse_object(payload: Any, call_id: str) -> ToolCall:
+    """One call from its decoded JSON: an object with a 'name' string and 'arguments'."""
     if not isinstance(payload, dict):
         return ToolCall("", {}, "tool call must be a JSON object with 'name' and 'arguments'", call_id)
     name, arguments = payload.get("name"), payload.get("arguments", {})
@@ -76,14 +71,33 @@ def _parse_one(body: str, closed: bool, index: int) -> ToolCall:
     return ToolCall(name, arguments, None, call_id)
 
 
+def _parse_block(body: str, closed: bool, first_index: int) -> list[ToolCall]:
+    """The calls of one <tool_call> block, numbered from `first_index`: one JSON object (Hermes,
+    Qwen3) or a JSON list of them (SmolLM2), each element a call of its own, checked alone, so
+    a malformed element does not stop the others."""
+    call_id = f"call_{first_index}"
+    if not closed:
+        return [ToolCall("", {}, "unclosed <tool_call> block", call_id)]
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        return [ToolCall("", {}, f"tool call is not valid JSON: {str(exc)[:200]}", call_id)]
+    if not isinstance(payload, list):
+        return [_parse_object(payload, call_id)]
+    if not payload:
+        return [ToolCall("", {}, "tool call list is empty: expected JSON objects with 'name' and 'arguments'", call_id)]
+    return [_parse_object(element, f"call_{first_index + offset}") for offset, element in enumerate(payload)]
+
+
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """Every <tool_call> block of an assistant message, in order. Never raises."""
+    """Every call of the <tool_call> blocks of an assistant message, in order, numbered call_0,
+    call_1, ... across the blocks. Never raises."""
     if not isinstance(text, str):
         return [ToolCall("", {}, "assistant message is not text", "call_0")]
-    return [
-        _parse_one(match.group(1), match.group(2) == "</tool_call>", index)
-        for index, match in enumerate(_CALL_BLOCK.finditer(text))
-    ]
+    calls: list[ToolCall] = []
+    for match in _CALL_BLOCK.finditer(text):
+        calls += _parse_block(match.group(1), match.group(2) == "</tool_call>", len(calls))
+    return calls
 
 
 # ----------------------------------------------------------------------------- validation

@@ -139,15 +139,18 @@ class HFEngine:
         """Append a block of tokens to every row; return the logits of the block's last column."""
         mask = new_mask if self._mask is None else torch.cat([self._mask, new_mask], dim=1)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1] :]
+        # `cache` (argument and output field) is transformers' name since 5.24; `past_key_values`
+        # warns there and goes in 5.40. 5.23 and older know only `past_key_values` (their outputs
+        # have no `cache`), hence pyproject.toml's transformers>=5.24.
         out = self.model(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=self._cache,
+            cache=self._cache,
             use_cache=True,
             logits_to_keep=1,
         )
-        self._cache, self._mask = out.past_key_values, mask
+        self._cache, self._mask = out.cache, mask
         return out.logits[:, -1, :].float()
 
     @torch.no_grad()
