@@ -28,7 +28,8 @@ from stages.policy import ModelError, load_model, load_tokenizer
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a")]
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOKENS = [*bytes_to_unicode().values(), *("".join(pair) for pair in MERGES), *SPECIAL_TOKENS]
-CHAT_TEMPLATE = (
+CHAT_TEMPLATE = (  # ChatML with the tools in a system turn (mtrl refuses a template that drops them)
+    "{% if tools %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
     "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
