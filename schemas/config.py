@@ -358,8 +358,10 @@ class SFTConfig(Section):
     learning_rate: float = Field(1e-4, gt=0.0, le=1.0, description="AdamW learning rate (a fresh AdamW, not stored).")
     warmup_steps: int = Field(0, ge=0, description="Steps of linear learning-rate warm-up from 0.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradients are clipped to this global L2 norm.")
-    gradient_checkpointing: bool = Field(
-        False, description="Recompute layer activations in the backward pass (less memory, more compute)."
+    gradient_checkpointing: bool | None = Field(
+        None,
+        description="Recompute layer activations in the backward pass (less memory, more compute); null = on from "
+        "50M parameters, as ppo.gradient_checkpointing.",
     )
 
     @model_validator(mode="after")

@@ -28,7 +28,14 @@ import torch
 from schemas.config import SFTConfig
 from schemas.token_stream import assistant_token_ids, generation_prompt_ids, observation_token_ids, prompt_token_ids
 from stages.environments import ENVIRONMENTS, Environment
-from stages.policy import RolloutSequence, collate, forward_targets, load_model, load_tokenizer
+from stages.policy import (
+    LARGE_MODEL_PARAMETERS,
+    RolloutSequence,
+    collate,
+    forward_targets,
+    load_model,
+    load_tokenizer,
+)
 from stages.tasks import tool_schemas
 
 LOGPROB_CHUNK_TOKENS = 1024  # tokens per chunk of the vocabulary projection: bounds memory, not the result
@@ -176,6 +183,9 @@ def supervised_fine_tune(
     """sft: load the policy (float32), train it on demonstrations of `task_mix`, and return it
     ready to save as a new policy."""
     model, tokenizer = load_model(policy_dir, "float32", device), load_tokenizer(str(policy_dir))
+    if config.gradient_checkpointing is None:  # null: by the model's size, as ppo-update chooses
+        large = sum(p.numel() for p in model.parameters()) >= LARGE_MODEL_PARAMETERS
+        config = config.model_copy(update={"gradient_checkpointing": large})
     metrics = train_on_demonstrations(
         model,
         tokenizer,

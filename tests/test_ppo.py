@@ -374,7 +374,8 @@ def test_saved_optimizer_state_continues_adam_exactly_across_iterations(tiny, ro
 
 
 def test_memory_settings_follow_the_model_size_unless_set():
-    from stages.ppo_update import LARGE_MODEL_PARAMETERS, LARGE_MODEL_TOKENS_PER_MICRO_BATCH, memory_settings
+    from stages.policy import LARGE_MODEL_PARAMETERS
+    from stages.ppo_update import LARGE_MODEL_TOKENS_PER_MICRO_BATCH, memory_settings
 
     unset = PPOConfig()
     small, large = memory_settings(unset, 880_000), memory_settings(unset, 135_000_000)

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from schemas.config import PPOConfig
 from stages.policy import (
+    LARGE_MODEL_PARAMETERS,
     RolloutSequence,
     Scorer,
     ValueHead,
@@ -158,10 +159,7 @@ def aggregate(
 # ---------------------------------------------------------------------------------------
 
 
-# From this size on, ppo-update saves memory unless told otherwise (PPOConfig's null memory fields):
-# a 135M model's update peaked at 11.7 GB with 16 padded rollouts a pass and no checkpointing.
-LARGE_MODEL_PARAMETERS = 50_000_000
-LARGE_MODEL_TOKENS_PER_MICRO_BATCH = 4096
+LARGE_MODEL_TOKENS_PER_MICRO_BATCH = 4096  # from LARGE_MODEL_PARAMETERS on (stages/policy.py)
 
 
 def memory_settings(config: PPOConfig, parameters: int) -> PPOConfig:
