@@ -38,7 +38,7 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from runtime.memory import current_rss_bytes
 from schemas.config import PPOConfig
@@ -54,6 +54,20 @@ def build_model(name: str, device: torch.device) -> torch.nn.Module:
         from stages.policy import load_model
 
         return load_model(EMBEDDED_POLICY, "float32", device.type)
+    torch.manual_seed(0)
+    if name == "smollm2-135m":  # SmolLM2-135M-Instruct's shape (bench/real_model.py's model), random weights
+        smollm2 = LlamaConfig(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            max_position_embeddings=8192,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        )
+        return LlamaForCausalLM(smollm2).to(device=device, dtype=torch.bfloat16).eval()
     config = Qwen3Config(  # Qwen3-0.6B's shape; random weights cost the same per step
         vocab_size=151936,
         hidden_size=1024,
@@ -66,7 +80,6 @@ def build_model(name: str, device: torch.device) -> torch.nn.Module:
         tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     )
-    torch.manual_seed(0)
     return Qwen3ForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
 
 
@@ -181,6 +194,7 @@ def ppo_measure(model_name: str, device_name: str, shape: str, variant: str, pea
         max_tokens_per_micro_batch=seq if "packed" in variant else 0,  # bins of the longest rollout's size
         gradient_checkpointing="checkpointed" in variant,
         logprob_chunk_tokens=4096,
+        kl_coef=0.0,  # the synthetic rollouts have no reference logprobs: the update's own cost
     )
     times = []
     for repeat in range(3):  # the first run warms up
@@ -228,7 +242,7 @@ def ppo_in_fresh_process(args: argparse.Namespace, shape: str, variant: str) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["tiny", "qwen3-0.6b"], default="tiny")
+    parser.add_argument("--model", choices=["tiny", "smollm2-135m", "qwen3-0.6b"], default="tiny")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rollouts", type=int, default=32)
     parser.add_argument("--turns", type=int, default=3)
