@@ -374,7 +374,8 @@ def command_show(args: argparse.Namespace) -> Work:
         shown = manifest.model_dump(mode="json", exclude={"files", "source_files"}, exclude_none=True)
         print(json.dumps(shown, indent=2, sort_keys=True))
         problems = store.verify(stage, version)
-        print(f"\nfiles: {len(manifest.files)}, " + ("verified" if not problems else "; ".join(problems)))
+        pruned = f" ({', '.join(manifest.pruned)} pruned by retention)" if manifest.pruned else ""
+        print(f"\nfiles: {len(manifest.files)}{pruned}, " + ("verified" if not problems else "; ".join(problems)))
         print(f"path: {store.path(stage, version)}")
         if stage != "policy":
             print(f"load: datasets.load_from_disk('{store.path(stage, version)}')")

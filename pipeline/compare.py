@@ -3,8 +3,9 @@
 Versions name code and config, so the same data made by different code has other versions.
 This compares what is stored: every dataset matched by (stage, iteration, turn), column by
 column (all but `policy_version`, which holds a version name), and every policy matched by
-iteration, tensor by tensor (weights, AdamW state, value head). Use it to check that a
-refactor, another machine or another runner changed nothing.
+iteration, tensor by tensor (weights, AdamW state, value head; an AdamW state that retention
+pruned on either side is named, not compared). Use it to check that a refactor, another
+machine or another runner changed nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from safetensors.numpy import load_file
 
 from pipeline.stage_table import POLICY, STAGES
 from pipeline.store import Store, StoreError
+from runtime.hashing import MANIFEST
+from schemas.manifest import Manifest
 
 Key = tuple[str, int | None, int | str | None]  # stage, iteration, turn (a policy: what made it)
 
@@ -50,16 +53,22 @@ def same_dataset(left: Path, right: Path) -> tuple[bool, str]:
 
 
 def same_policy(left: Path, right: Path) -> tuple[bool, str]:
-    files = sorted(p.name for p in left.glob("*.safetensors"))
-    if files != sorted(p.name for p in right.glob("*.safetensors")):
+    """The safetensors files both policies were written with, tensor by tensor; those that
+    retention pruned on either side (AdamW state) are named in the detail, not compared."""
+    manifests = [Manifest.model_validate_json((folder / MANIFEST).read_text()) for folder in (left, right)]
+    written = [{name for name in m.files if name.endswith(".safetensors")} for m in manifests]
+    if written[0] != written[1]:
         return False, "different files"
+    pruned = sorted(name for name in written[0] if any(name in m.pruned for m in manifests))
+    files = sorted(written[0] - set(pruned))
     tensors, differ = 0, []
     for name in files:
         a, b = load_file(left / name), load_file(right / name)
         tensors += len(a)
         if a.keys() != b.keys() or any(a[k].dtype != b[k].dtype or not (a[k] == b[k]).all() for k in a):
             differ.append(name)
-    return not differ, f"{tensors} tensors in {files}" + (f", differ: {differ}" if differ else "")
+    detail = f"{tensors} tensors in {files}" + (f", pruned, not compared: {pruned}" if pruned else "")
+    return not differ, detail + (f", differ: {differ}" if differ else "")
 
 
 def compare_runs(left: str | Path, right: str | Path) -> tuple[list[str], int]:

@@ -12,7 +12,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from pipeline import artifacts, lineage
+from pipeline import artifacts, lineage, retention
 from pipeline.artifacts import generation_progress, publish_summary
 from pipeline.prefect_settings import flow_heartbeats
 from pipeline.runners import stage_runner
@@ -70,6 +70,7 @@ def rl_iteration(
         updated = run_on("ppo-update", config, advantaged)
 
         next_policy = store.manifest("ppo-update", updated).policy
+        prune_lineage(store, config, next_policy)
         metrics = store.manifest("assign-rewards", rewarded).metrics
         get_run_logger().info(
             "iteration %d: reward %.3f, success %.2f",
@@ -144,4 +145,18 @@ def rerun_stage(config: RunConfig, stage: str, source: str) -> str:
         choices = ", ".join(f"{name} --from {source}/VERSION" for name, source in rerunnable.items())
         raise ValueError(f"`mtrl stage {stage}` cannot run on {source_stage}/VERSION; valid: {choices}")
     with store.lock(), stage_runner(config.runner) as runner:
-        return run_on(stage, config, source_version, runner)
+        version = run_on(stage, config, source_version, runner)
+        if stage == "ppo-update":
+            prune_lineage(store, config, store.manifest(stage, version).policy)
+        return version
+
+
+def prune_lineage(store: Store, config: RunConfig, policy_version: str) -> None:
+    """Retention after a ppo-update is stored whole (its metrics and the policy it wrote): a
+    crash before this point re-runs that update, which still finds its policy's AdamW state."""
+    keep = config.store.keep_optimizer_state
+    pruned = retention.prune_optimizer_states(store, policy_version, keep)
+    if pruned:
+        get_run_logger().info(
+            "retention (store.keep_optimizer_state=%d): pruned the AdamW state of policy %s", keep, ", ".join(pruned)
+        )

@@ -8,6 +8,7 @@ and each stage records the part of the run config its output depends on.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import datasets
@@ -15,6 +16,7 @@ import datasets
 from pipeline.stage_table import POLICY
 from pipeline.store import Store
 from schemas.config import RunConfig, deep_merge
+from schemas.manifest import Manifest
 
 
 def turns_of(store: Store, tools_version: str) -> list[str]:
@@ -43,13 +45,22 @@ def latest_policy(store: Store) -> str | None:
     return newest.version
 
 
+def policy_chain(store: Store, policy_version: str) -> Iterator[Manifest]:
+    """A policy and the policies it was trained from, newest first, back to the starting policy
+    (each policy's ppo-update names the policy it trained); each manifest read when reached."""
+    version: str | None = policy_version
+    while version is not None:
+        manifest = store.manifest(POLICY, version)
+        yield manifest
+        update = manifest.parents.get("ppo-update")
+        version = store.manifest("ppo-update", update).parents[POLICY] if update else None
+
+
 def reference_policy(store: Store, policy_version: str) -> str:
     """The policy RL started from in a policy's lineage, the KL reference: the first one not
     trained by ppo-update (the imported model, or its warm start by sft)."""
-    version = policy_version
-    while "ppo-update" in (parents := store.manifest(POLICY, version).parents):
-        version = store.manifest("ppo-update", parents["ppo-update"]).parents[POLICY]
-    return version
+    *_, start = policy_chain(store, policy_version)
+    return start.version
 
 
 def generating_policy(store: Store, stage: str, version: str) -> str:

@@ -111,11 +111,19 @@ def _engine_version(config: RunConfig) -> str | None:
     return vllm_version(config.vllm.python, config.vllm.url)
 
 
+def _fresh_optimizer(config: RunConfig) -> str | None:
+    # on only where it takes effect (pipeline.tasks.optimizer_start resolves it before the version)
+    if not config.store.fresh_optimizer_if_pruned:
+        return None  # AdamW continues the policy's state, or starts fresh from a policy that never had one
+    return "the AdamW state of the policy it trains was pruned by retention: a fresh AdamW"
+
+
 DERIVED: dict[str, Callable[[RunConfig], Any]] = {
     "device": _device,  # kernels differ by device, so do the numbers
     "environment_code": _environment_code,  # the environments and tools of the task mix (user plugins too)
     "engine_version": _engine_version,  # an engine in its own environment: its library's version (vLLM)
     "sft_task": _sft_task,  # what the warm start's demonstrations are of, and the code that writes them
+    "fresh_optimizer": _fresh_optimizer,  # ppo-update: a fresh AdamW in place of a pruned state
 }
 
 STAGES: dict[str, Stage] = {
@@ -174,7 +182,7 @@ STAGES: dict[str, Stage] = {
             # float rounding: tests/test_distributed.py). A collective's timeout only decides when a
             # hung job fails: what a finished one computed does not depend on it.
             placement=("ppo.nodes", "ppo.collective_timeout_s"),
-            derived=("device",),
+            derived=("device", "fresh_optimizer"),
             # the update and, with ppo.world_size > 1, the worker each rank runs; not the launcher
             # (launch.py: where the ranks run, as ppo.nodes)
             code=("stages/ppo_update/__init__.py", "stages/ppo_update/worker.py"),

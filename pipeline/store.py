@@ -12,6 +12,9 @@ never leaves a half-written version that a later run could mistake for a finishe
 temporary name says which host and process writes it, so a later run removes only what a dead
 writer left behind.
 The manifest records a digest of every file, so edited or corrupted versions are detected.
+Retention (pipeline/retention.py) may later delete files only continuing training needs (a
+policy's AdamW state): the manifest says so first (`pruned`), and the digests are checked for
+the files it keeps.
 """
 
 from __future__ import annotations
@@ -67,6 +70,20 @@ def library_versions() -> dict[str, str]:
 
 
 _VERIFIED: set[tuple] = set()  # policy folders whose digests matched, by their files' (path, size, mtime)
+
+
+def manifest_text(fields: dict[str, Any]) -> str:
+    """The text of a manifest.json (written whole, replaced whole)."""
+    return json.dumps(fields, indent=2, sort_keys=True, default=str) + "\n"
+
+
+def _delete_pruned(folder: Path, manifest: Manifest) -> None:
+    """Delete the files the manifest calls pruned that are still in the version's folder."""
+    left = [folder / name for name in manifest.pruned if (folder / name).exists()]
+    for path in left:
+        path.unlink(missing_ok=True)
+    if left:
+        _fsync_dir(folder)
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -158,7 +175,10 @@ class Store:
         if manifest.source_path:  # a base policy imported by an older mtrl: a pointer, not a copy
             folder, expected = Path(manifest.source_path), manifest.extra("source_files", {})
         else:
-            folder, expected = self.path(POLICY, version), manifest.files
+            folder, expected = self.path(POLICY, version), manifest.kept_files()
+            # a prune that died between its two steps left files its manifest calls pruned: they
+            # go before anything loads the folder (an AdamW state thought gone must not continue)
+            _delete_pruned(folder, manifest)
         stats = tuple(
             (str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()
         )
@@ -225,8 +245,11 @@ class Store:
         return found
 
     def verify(self, stage: str, version: str) -> list[str]:
-        """Problems with a version's files (empty when they match the manifest's digests)."""
-        return digest_problems(self.manifest(stage, version).files, file_digests(self.path(stage, version)))
+        """Problems with a version's files (empty when the files it keeps match the manifest's
+        digests). A pruned file is not expected, and one that a crashed prune left is no problem."""
+        manifest = self.manifest(stage, version)
+        on_disk = file_digests(self.path(stage, version))
+        return digest_problems(manifest.kept_files(), {k: v for k, v in on_disk.items() if k not in manifest.pruned})
 
     # ------------------------------------------------------------------ writing
 
@@ -269,7 +292,7 @@ class Store:
                     "bit-reproducible. Restore the folder from a backup, or run into a new runs dir."
                 )
             Manifest.model_validate(full)  # a malformed manifest fails here, before anything is published
-            (tmp / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=True, default=str) + "\n")
+            (tmp / MANIFEST).write_text(manifest_text(full))
             _fsync_tree(tmp)
             try:
                 os.rename(tmp, final)  # atomic; fails if another writer finished first
@@ -283,6 +306,48 @@ class Store:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # SIGKILL skips this: clean_stale_tmp() does it later
             raise
+
+    def prune(self, stage: str, version: str, names: list[str], reason: str) -> Manifest:
+        """Delete files of a finished version that only later work needs (retention: a policy's
+        AdamW state), saying so in its manifest: `pruned` records each file's size, when and why,
+        and `files` keeps what was written. The manifest is replaced first (atomically), then
+        the files go, so a crash between the two leaves files the manifest already calls pruned:
+        never checked, never loaded, and deleted by the next prune or load of the version.
+        Pruning a file again only deletes what a crash left of it."""
+        manifest = self.manifest(stage, version)
+        unknown = sorted(set(names) - set(manifest.files))
+        if unknown:
+            raise StoreError(f"{stage}/{version} was written without {', '.join(unknown)}: nothing to prune")
+        at = datetime.now(UTC).isoformat(timespec="milliseconds")
+        new = {
+            name: {"bytes": manifest.files[name]["bytes"], "at": at, "reason": reason}
+            for name in names
+            if name not in manifest.pruned
+        }
+        if new:
+            manifest = self._replace_manifest(stage, version, {"pruned": {**manifest.pruned, **new}})
+        _delete_pruned(self.path(stage, version), manifest)
+        return manifest
+
+    def _replace_manifest(self, stage: str, version: str, changes: dict[str, Any]) -> Manifest:
+        """Update fields of a finished version's manifest, atomically: the new text is written and
+        fsynced beside the version folders (a temporary name that clean_stale_tmp removes after a
+        crash, never among the version's files), then renamed over manifest.json."""
+        final = self.path(stage, version) / MANIFEST
+        fields = json.loads(final.read_text()) | changes
+        manifest = Manifest.model_validate(fields)  # a malformed manifest fails here, before it replaces one
+        partial = final.parent.parent / tmp_folder_name(version)
+        try:
+            with partial.open("w") as handle:
+                handle.write(manifest_text(fields))
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(partial, final)  # atomic: readers see the old manifest or the new one
+        except BaseException:
+            partial.unlink(missing_ok=True)  # SIGKILL skips this: clean_stale_tmp() does it later
+            raise
+        _fsync_dir(final.parent)
+        return manifest
 
     @PHASES.timed("store_writes")
     def write_dataset(self, stage: str, version: str, dataset: datasets.Dataset, manifest: dict[str, Any]) -> Manifest:
@@ -309,10 +374,11 @@ class Store:
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
     def clean_stale_tmp(self) -> list[Path]:
-        """Remove temporary folders left by writers that died. A folder of this host goes when
-        its writer's pid is gone; one of another host (a Ray node on a shared filesystem) is
-        left alone, since this machine cannot see that host's processes, unless it is older than
-        TMP_MAX_AGE_S, like any folder. Folders in the older naming count as this host's."""
+        """Remove temporary folders (and the temporary files of replaced manifests) left by
+        writers that died. A folder of this host goes when its writer's pid is gone; one of
+        another host (a Ray node on a shared filesystem) is left alone, since this machine cannot
+        see that host's processes, unless it is older than TMP_MAX_AGE_S, like any folder.
+        Folders in the older naming count as this host's."""
         removed = []
         here, now = this_host(), time.time()
         for stage in STORED:
@@ -329,6 +395,9 @@ class Store:
                 except FileNotFoundError:  # its writer finished and renamed it meanwhile
                     continue
                 if too_old or (host in (None, here) and not _pid_alive(pid)):
-                    shutil.rmtree(entry, ignore_errors=True)
+                    if entry.is_dir():
+                        shutil.rmtree(entry, ignore_errors=True)
+                    else:  # a manifest being replaced (_replace_manifest)
+                        entry.unlink(missing_ok=True)
                     removed.append(entry)
         return removed

@@ -9,7 +9,8 @@ store on disk is the truth:
   so a cache hit can never point at deleted data.
 
 The stages that run on one stored input (assign-rewards, compute-advantages, ppo-update) find
-their other inputs through the lineage (INPUTS): the flow and `mtrl stage` call them the same way.
+their other inputs through the lineage (ON_ONE_INPUT): the flow and `mtrl stage` call them the
+same way.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import datasets
 import torch
 from prefect import get_run_logger, task
 
-from pipeline import artifacts, lineage
+from pipeline import artifacts, lineage, retention
 from pipeline.artifacts import ppo_progress, publish_stage, turn_progress
 from pipeline.audit import audit_before_training
 from pipeline.models import resolve_model, starting_tokenizer
@@ -48,7 +49,8 @@ from stages.ppo_update.launch import train_with_torchrun
 from stages.tasks import load_plugins, task_turn_limits, turn_limit
 
 POLICY_CODE_VERSION = "1"  # the layout of a stored policy (a save_pretrained folder + optimiser state)
-Inputs = tuple[dict[str, str], dict[str, int]]  # a stage run's parents (stage -> version) and position
+# a stage run's config (ppo-update: store.fresh_optimizer_if_pruned resolved), parents (stage -> version), position
+Inputs = tuple[RunConfig, dict[str, str], dict[str, int]]
 
 
 def stage_version(config: RunConfig, stage: str, parents: dict[str, str], position: dict[str, int]) -> str:
@@ -441,7 +443,7 @@ def starting_policy(store: Store, config: RunConfig) -> str:
 
 def reward_inputs(config: RunConfig, store: Store, last_turn: str) -> Inputs:
     """assign-rewards reads the last turn's execute-tools version (it names the earlier ones)."""
-    return {"execute-tools": last_turn}, {}
+    return config, {"execute-tools": last_turn}, {}
 
 
 def advantage_inputs(config: RunConfig, store: Store, rewarded: str) -> Inputs:
@@ -453,13 +455,35 @@ def advantage_inputs(config: RunConfig, store: Store, rewarded: str) -> Inputs:
         parents[POLICY] = policy
     if config.ppo.kl_coef > 0:
         parents[f"{POLICY}#reference"] = lineage.reference_policy(store, policy)
-    return parents, {}
+    return config, parents, {}
 
 
 def update_inputs(config: RunConfig, store: Store, advantaged: str) -> Inputs:
     """ppo-update trains the policy that generated the rollouts; its position is their iteration."""
     rollouts = store.ancestor("compute-advantages", advantaged, "generate-rollouts")
-    return {"compute-advantages": advantaged, POLICY: rollouts.parents[POLICY]}, {"iteration": rollouts.iteration}
+    parents = {"compute-advantages": advantaged, POLICY: rollouts.parents[POLICY]}
+    position = {"iteration": rollouts.iteration}
+    return optimizer_start(config, store, parents, position), parents, position
+
+
+def optimizer_start(config: RunConfig, store: Store, parents: dict[str, str], position: dict[str, int]) -> RunConfig:
+    """The config ppo-update runs with, where retention may have pruned the AdamW state of the
+    policy it trains. store.fresh_optimizer_if_pruned stays on only where it takes effect, since
+    ppo-update's version hashes it (stage_table: the derived `fresh_optimizer`): the state was
+    pruned, the update would continue it (no LoRA), and the update is not stored already (one
+    stored was trained before the pruning, from the state: it is reused). Without the flag such
+    an update is refused: a fresh AdamW in its place would silently train another update."""
+    continuing = config
+    if config.store.fresh_optimizer_if_pruned:
+        continuing = config.with_overrides({"store.fresh_optimizer_if_pruned": False})
+    pruned = retention.pruned_optimizer_state(store, parents[POLICY])
+    if pruned is None or config.ppo.lora_rank > 0:
+        return continuing
+    if on_disk(store, "ppo-update", stage_version(continuing, "ppo-update", parents, position)):
+        return continuing
+    if not config.store.fresh_optimizer_if_pruned:
+        raise retention.PrunedStateError(parents[POLICY], store.manifest(POLICY, parents[POLICY]).iteration, pruned)
+    return config
 
 
 # stage -> (its task, its inputs from the one stored input named by the stage table's rerun_from)
@@ -473,5 +497,5 @@ ON_ONE_INPUT: dict[str, tuple[Any, Callable[[RunConfig, Store, str], Inputs]]] =
 def run_on(stage: str, config: RunConfig, source: str, runner: Any | None = None) -> str:
     """Run `stage` on the stored version `source` of its rerun_from stage; returns its version."""
     prefect_task, inputs = ON_ONE_INPUT[stage]
-    parents, position = inputs(config, Store(config.store.runs_dir), source)
+    config, parents, position = inputs(config, Store(config.store.runs_dir), source)
     return run_stage(prefect_task, config, parents, position, runner=runner)

@@ -394,7 +394,26 @@ class AuditConfig(Section):
 
 
 class StoreConfig(Section):
+    """Where versions are stored and how long a policy's AdamW state is kept (retention). No stage
+    hashes these fields: retention deletes only what continuing training needs, never data, and
+    the fresh AdamW that fresh_optimizer_if_pruned lets ppo-update start is hashed into that
+    update's version as the derived value fresh_optimizer, where it takes effect."""
+
     runs_dir: Path = Field(Path("runs"), description="Root of the versioned store.")
+    keep_optimizer_state: int = Field(
+        2,
+        ge=1,
+        description="After each ppo-update, the newest N policies of the new policy's lineage keep their AdamW state "
+        "(optimizer.safetensors, twice the size of fp32 weights); older ones lose it and keep weights, tokenizer, "
+        "value head and manifest. 2: the newest, which the next iteration continues, and the one before, which "
+        "re-running or rebuilding the newest update continues. Part of no version.",
+    )
+    fresh_optimizer_if_pruned: bool = Field(
+        False,
+        description="A ppo-update that would continue an AdamW state that retention pruned (training an older "
+        "policy again) fails, naming the policy; true trains it with a fresh AdamW instead, as a new ppo-update "
+        "version that records it (derived: fresh_optimizer). An update already stored is reused either way.",
+    )
 
 
 class RunnerConfig(Section):

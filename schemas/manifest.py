@@ -48,8 +48,14 @@ class Manifest(BaseModel):
     imported_from: str | None = None  # the base policy: the folder its files were copied from, or the GGUF file
     source_path: str | None = None  # a base policy imported by an older mtrl, loaded from there (not copied)
     files: dict[str, dict[str, Any]] = Field(default_factory=dict)  # relative path -> bytes and xxh3 digest
+    # files retention deleted (relative path -> bytes, when, why); `files` still holds what was written
+    pruned: dict[str, dict[str, Any]] = Field(default_factory=dict)
     library_versions: dict[str, str] = Field(default_factory=dict)
 
     def extra(self, name: str, default: Any = None) -> Any:
         """A stage's own field (e.g. "replay", "audit", "provenance")."""
         return (self.model_extra or {}).get(name, default)
+
+    def kept_files(self) -> dict[str, dict[str, Any]]:
+        """The digests of the files that should be on disk: those written, less those pruned."""
+        return {name: digest for name, digest in self.files.items() if name not in self.pruned}

@@ -39,7 +39,8 @@ def test_a_changed_config_field_changes_only_the_stages_that_record_it():
 
 def test_where_a_stage_runs_and_how_long_it_may_wait_are_not_hashed():
     """Placement (ppo.nodes), timeouts that only decide when a hung job fails, the audit gate, the
-    runner and the store's place change no version: the same computation gives the same bytes."""
+    runner, the store's place and its retention change no version: the same computation gives
+    the same bytes."""
     from pipeline.tasks import stage_version
 
     base = RunConfig(runner={"ray_address": "auto"})
@@ -54,6 +55,7 @@ def test_where_a_stage_runs_and_how_long_it_may_wait_are_not_hashed():
             "runner.shards": 4,
             "vllm.start_timeout_s": 10.0,
             "store.runs_dir": "/elsewhere",
+            "store.keep_optimizer_state": 1,  # retention deletes AdamW states, never what a version holds
         }
     )
     same_world = base.with_overrides({"ppo.world_size": 2})  # the world size does shape the bytes
