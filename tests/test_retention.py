@@ -198,7 +198,7 @@ def test_a_run_keeping_one_state_prunes_the_older_policy_and_resumes(keeping_one
     Store(copy).prune(POLICY, third["next_policy"], [OPTIMIZER_FILE], "the copy keeps less")
     lines, different = compare_runs(store.root, copy)
     assert different == 0
-    (newest,) = [line for line in lines if line.startswith("same  ('policy', 2, None)")]
+    (newest,) = [line for line in lines if line.startswith("same  ('policy', 2, 'ppo-update')")]
     assert newest.endswith(f"in ['model.safetensors'], pruned, not compared: ['{OPTIMIZER_FILE}']")
 
 
