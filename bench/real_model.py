@@ -182,7 +182,7 @@ def main() -> None:
         "store": {
             "total_bytes": folder_bytes(runs_dir),
             "policy_bytes": {m.version: folder_bytes(store.policy_dir(m.version)) for m in policies},
-            "pruned": {m.version: m.extra("pruned") for m in policies if m.extra("pruned")},
+            "pruned": {m.version: m.pruned for m in policies if m.pruned},
         },
         "total_wall_s": round(time.perf_counter() - started, 1),
     }

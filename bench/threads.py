@@ -6,7 +6,7 @@ server, tool workers or a second job keep it busy), in one invocation:
 
 Each measurement is `mtrl eval` (generation and tools) of the starting model on fixed calculator
 tasks, timed as a whole command: the embedded tiny model (64 rollouts) and SmolLM2-135M-Instruct
-(16 rollouts, the Hermes template, thinking off; its GGUF as bench/real_model.py finds it).
+(8 rollouts, the Hermes template, thinking off; its GGUF as bench/real_model.py finds it).
 Runs alternate between the settings so that drift in the machine hits both alike.
 """
 
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from learning import machine, mtrl  # noqa: E402
 from real_model import gguf_path  # noqa: E402
 
-REPEATS = 2
+REPEATS = 1  # runs per setting and load; raise it for medians
 
 
 def spin() -> None:
@@ -47,7 +47,7 @@ def main() -> None:
     models = {
         "embedded-0.88M": ["--task", "calculator", "--rollouts", "64", "--group-size", "1"],
         "smollm2-135m": [
-            *("--model", str(gguf_path(args.gguf)), "--task", "calculator", "--rollouts", "16", "--group-size", "1"),
+            *("--model", str(gguf_path(args.gguf)), "--task", "calculator", "--rollouts", "8", "--group-size", "1"),
             *("--set", "model.chat_template=hermes", "--set", "generation.enable_thinking=false"),
         ],
     }
