@@ -30,7 +30,8 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFas
 
 from pipeline.models import SHIPPED_TEMPLATES
 from stages.environments import ENVIRONMENTS, CalculatorEnv
-from stages.tools import TOOLS, calculate, tool_schema
+from stages.tasks import tool_schemas
+from stages.tools import calculate
 
 HERE = Path(__file__).resolve().parent
 TOKENIZER_DIR = HERE / "tokenizer"
@@ -62,10 +63,6 @@ def chat_template() -> str:
     return SHIPPED_TEMPLATES["hermes"].read_text()
 
 
-def tool_schemas(names: tuple[str, ...]) -> list[dict[str, Any]]:
-    return [tool_schema(TOOLS[name]) for name in names]
-
-
 # ----------------------------------------------------------------------------- tokenizer
 
 
@@ -75,7 +72,7 @@ def build_tokenizer(out_dir: Path = TOKENIZER_DIR, seed: int = 0) -> PreTrainedT
 
     env, rng = CalculatorEnv(), random.Random(seed)
     conversations = [env.demonstration(env.sample_task(rng)) for _ in range(3000)]
-    corpus, _ = render_jinja_template(conversations, tools=tool_schemas(env.tools), chat_template=chat_template())
+    corpus, _ = render_jinja_template(conversations, tools=tool_schemas(env), chat_template=chat_template())
     corpus += list(ENGLISH) * 50
 
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
@@ -281,7 +278,7 @@ def build_expert(seed: int, steps: int, out_dir: Path) -> None:
     )
     model = Qwen3ForCausalLM(config)
     env = CalculatorEnv()
-    tools = tool_schemas(env.tools)
+    tools = tool_schemas(env)
     log: list[dict[str, Any]] = []
     train(
         model,
@@ -311,7 +308,7 @@ def build_policy(seed: int, steps: int, flawed_fraction: float, in_dir: Path, ou
     tokenizer = AutoTokenizer.from_pretrained(in_dir)
     model = Qwen3ForCausalLM.from_pretrained(in_dir, dtype=torch.float32)
     environments = {name: ENVIRONMENTS[name] for name in ALL_TASKS}
-    tools = {name: tool_schemas(env.tools) for name, env in environments.items()}
+    tools = {name: tool_schemas(env) for name, env in environments.items()}
 
     def conversation(rng: random.Random) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         name = rng.choices([n for n, _ in TASK_MIX], weights=[w for _, w in TASK_MIX])[0]
