@@ -35,23 +35,12 @@ import numpy as np
 from pipeline.lineage import generating_policy, load_turns
 from pipeline.stage_table import POLICY
 from pipeline.store import Store
-from schemas.config import RunConfig
+from schemas.config import RunConfig, rescore_tolerance
 from schemas.features import GENERATE_ROLLOUTS, dataset_from_rows
 from schemas.token_stream import Rollout, generation_prompt_ids, prompt_token_ids, rollouts
 from stages.environments import ENVIRONMENTS
 from stages.policy import load_model, load_tokenizer, score_rollouts
 from stages.tools import TOOLS, tool_schema
-
-# The rescore runs in float32, so logprobs generated in a lower precision differ from it by
-# rounding. Measured on the embedded policy (2 iterations x 32 rollouts, every rollout
-# re-scored): up to 0.11 in bfloat16, 0.009 in float16, under 1e-4 in float32. The defaults
-# leave about 5x headroom; a stale policy or shifted logprobs differ by whole nats.
-RESCORE_TOLERANCE = {"float32": 1e-3, "float16": 0.05, "bfloat16": 0.5}
-
-
-def rescore_tolerance(configured: float | None, generation_dtype: str) -> float:
-    """The audit's max |stored - re-scored| logprob: the configured one, else the dtype's."""
-    return configured if configured is not None else RESCORE_TOLERANCE[generation_dtype]
 
 
 class AuditError(ValueError):
@@ -252,11 +241,23 @@ def turns_with_history(store: Store, stage: str, version: str) -> datasets.Datas
     return history.select([i for i, rollout_id in enumerate(history["rollout_id"]) if rollout_id in rollout_ids])
 
 
+# Audits passed in this process, by runs dir, version, seed and settings: the flow audits an
+# iteration's batch as soon as it is made (with ppo.max_staleness, beside the previous update),
+# and ppo-update's gate then finds it passed. A version's files are immutable (store.load checks
+# their digests on every load), so a pass stays a pass.
+PASSED: dict[tuple[str, str, int, str], AuditReport] = {}
+
+
 def audit_before_training(
-    store: Store, version: str, turns: datasets.Dataset, config: RunConfig, seed: int
+    store: Store, version: str, config: RunConfig, seed: int, turns: datasets.Dataset | None = None
 ) -> AuditReport:
-    """The gate in front of ppo-update: audit compute-advantages/`version` (its rows `turns`)
-    with the run's settings; a dataset that fails raises AuditError and is never trained on."""
+    """The gate in front of ppo-update: audit compute-advantages/`version` (its rows `turns`, loaded
+    when not given) with the run's settings; a dataset that fails raises AuditError and is never
+    trained on."""
+    key = (str(store.root.resolve()), version, seed, config.model_dump_json(include={"audit", "model", "generation"}))
+    if key in PASSED:
+        return PASSED[key]
+    turns = store.load("compute-advantages", version) if turns is None else turns
     policy_dir = store.policy_dir(generating_policy(store, "compute-advantages", version))
     report = audit(
         turns,
@@ -271,4 +272,5 @@ def audit_before_training(
     )
     if not report.ok:
         raise AuditError(f"compute-advantages/{version} fails the audit: " + "; ".join(report.problems))
+    PASSED[key] = report
     return report

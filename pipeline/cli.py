@@ -274,7 +274,7 @@ def command_stage(args: argparse.Namespace) -> Work:
     def run() -> None:
         api_ready()
         try:
-            version = rerun_stage(config, args.name, f"{source_stage}/{source_version}")
+            version = rerun_stage(config, args.name, f"{source_stage}/{source_version}", args.policy)
         except ValueError as exc:  # RayError included
             raise UsageError(str(exc)) from None
         path = store.path(args.name, version)
@@ -384,10 +384,11 @@ def command_show(args: argparse.Namespace) -> Work:
 
 
 def command_audit(args: argparse.Namespace) -> Work:
-    from pipeline.audit import audit, rescore_tolerance, turns_with_history
+    from pipeline.audit import audit, turns_with_history
     from pipeline.lineage import lineage_config
     from pipeline.stage_table import STAGES
     from pipeline.store import Store
+    from schemas.config import rescore_tolerance
     from stages.policy import load_tokenizer
 
     store = Store(args.runs_dir)
@@ -507,6 +508,11 @@ def parser() -> argparse.ArgumentParser:
     stage.add_argument("name", choices=RerunnableStages(), metavar="NAME", help="the stage to re-run: %(choices)s")
     stage.add_argument("--from", dest="source", required=True, metavar="STAGE/VERSION", help="the stored input")
     stage.add_argument("--runs-dir", type=Path, default=Path("runs"))
+    stage.add_argument(
+        "--policy",
+        help="ppo-update: the policy to train (default: the one that generated the rollouts; a run with "
+        "ppo.max_staleness > 0 trained a newer one: its manifest's parents name it)",
+    )
     config_flags(stage, skip=("--runs-dir", "--sft-steps"))  # the starting policy is in the lineage
     stage.set_defaults(handler=command_stage)
 

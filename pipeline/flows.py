@@ -6,14 +6,26 @@
 
 Each stage is a Prefect task (pipeline/tasks.py) that writes one version of its dataset; the
 flows pass versions, and the store on disk holds the data.
+
+With ppo.max_staleness K > 0 the rollouts of iteration i come from policy max(0, i - K), and
+iteration i + 1's experience (rollouts, rewards, advantages: it needs no newer policy) is made
+while iteration i trains:
+
+    rl-iteration i:  [experience i] ─> [ppo-update i] ─> policy vi+1
+                                   └─> [experience i+1, by policy max(0, i+1-K)]   (at the same time)
 """
 
+import contextvars
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from prefect import flow, get_run_logger
 
 from pipeline import artifacts, lineage, retention
 from pipeline.artifacts import generation_progress, publish_summary
+from pipeline.audit import audit_before_training
 from pipeline.prefect_settings import flow_heartbeats
 from pipeline.runners import stage_runner
 from pipeline.stage_table import POLICY, STAGES
@@ -35,14 +47,22 @@ from stages.tasks import load_plugins, turn_limit
 @flow(name="rl-iteration")
 @artifacts.sent_before_exit
 def rl_iteration(
-    config: RunConfig, iteration: int | None = None, policy_version: str | None = None, plot: bool = True
+    config: RunConfig,
+    iteration: int | None = None,
+    policy_version: str | None = None,
+    plot: bool = True,
+    generate_next: bool = False,
 ) -> dict[str, Any]:
-    """One RL iteration. Without arguments: the next iteration from the store's newest policy
-    (what a scheduled deployment run does). One iteration at a time per store: a file lock.
-    `plot`: draw the learning curve into the summary artifact (rl-training: at its last iteration)."""
+    """One RL iteration: train `policy_version` on rollouts of the policy ppo.max_staleness updates
+    before it. Without arguments: the next iteration from the store's newest policy (what a
+    scheduled deployment run does). One iteration at a time per store: a file lock.
+    `plot`: draw the learning curve into the summary artifact (rl-training: at its last iteration).
+    `generate_next` (with max_staleness > 0): make the next iteration's experience (rollouts,
+    rewards, advantages) while this one trains; its run finds them stored."""
     use_threads(config.runner.threads)  # a deployment's run starts here, not in `mtrl`
     load_plugins(config.task.plugins)
     store = Store(config.store.runs_dir)
+    staleness = config.ppo.max_staleness
     with store.lock(), stage_runner(config.runner) as runner, PHASES.section("iteration"):
         store.clean_stale_tmp()
         if policy_version is None:
@@ -50,27 +70,23 @@ def rl_iteration(
         if iteration is None:
             iteration = store.manifest(POLICY, policy_version).iteration + 1
 
-        last_turn: str | None = None  # the execute-tools version of the latest turn
-        generation = generation_progress(iteration, turn_limit(config))
-        for turn in range(turn_limit(config)):
-            generated = run_stage(
-                generate_rollouts_task,
-                config,
-                {POLICY: policy_version, **({"execute-tools": last_turn} if last_turn else {})},
-                position={"iteration": iteration, "turn": turn},
-                progress_artifact=generation.artifact_id,
-            )
-            last_turn = run_stage(execute_tools_task, config, {"generate-rollouts": generated}, runner=runner)
-            if store.manifest("execute-tools", last_turn).active == 0:
-                break
-        POLICY_ENGINE.close(unless_it_reloads=True)
-        generation.finish(f"iteration {iteration}: all rollouts stopped after {turn + 1} turn(s)")
-        rewarded = run_on("assign-rewards", config, last_turn, runner)
-        advantaged = run_on("compute-advantages", config, rewarded)
-        updated = run_on("ppo-update", config, advantaged)
+        generating = lineage.policy_before(store, policy_version, staleness)
+        advantaged = experience(config, iteration, generating, runner)
+        ahead = None
+        if generate_next and staleness > 0:  # its policy, one update less behind, is in the store already
+            next_generating = lineage.policy_before(store, policy_version, staleness - 1)
+            # The engine is opened or updated (and verified) here, before the thread starts: the hf
+            # engine loads its model in model.dtype, and a load sets the process's default dtype
+            # while ppo-update's forward passes would run beside it (stages/policy.py: TRANSFORMERS_GLOBALS).
+            POLICY_ENGINE.serving(store, config, next_generating)
+            ahead = in_background(experience, config, iteration + 1, next_generating, runner)
+        with ahead or nullcontext():
+            updated = run_on("ppo-update", config, advantaged, policy=policy_version)
 
         next_policy = store.manifest("ppo-update", updated).policy
         prune_lineage(store, config, next_policy)
+        rewarded = store.manifest("compute-advantages", advantaged).parents["assign-rewards"]
+        last_turn = store.manifest("assign-rewards", rewarded).parents["execute-tools"]
         metrics = store.manifest("assign-rewards", rewarded).metrics
         get_run_logger().info(
             "iteration %d: reward %.3f, success %.2f",
@@ -82,6 +98,7 @@ def rl_iteration(
     return {
         "iteration": iteration,
         "policy": policy_version,
+        "generating_policy": generating,
         "next_policy": next_policy,
         "versions": {
             "execute-tools": lineage.turns_of(store, last_turn),
@@ -91,6 +108,50 @@ def rl_iteration(
         },
         "metrics": metrics,
     }
+
+
+def experience(config: RunConfig, iteration: int, policy_version: str, runner: Any) -> str:
+    """Everything of an iteration before ppo-update, which reads only the generating policy (and
+    the reference): its rollouts turn by turn (generate-rollouts, then execute-tools, until no
+    rollout is active), their rewards and advantages, and the audit. Returns the
+    compute-advantages version (stored ones are found at once)."""
+    store = Store(config.store.runs_dir)
+    last_turn: str | None = None  # the execute-tools version of the latest turn
+    progress = generation_progress(iteration, turn_limit(config))
+    for turn in range(turn_limit(config)):
+        generated = run_stage(
+            generate_rollouts_task,
+            config,
+            {POLICY: policy_version, **({"execute-tools": last_turn} if last_turn else {})},
+            position={"iteration": iteration, "turn": turn},
+            progress_artifact=progress.artifact_id,
+        )
+        last_turn = run_stage(execute_tools_task, config, {"generate-rollouts": generated}, runner=runner)
+        if store.manifest("execute-tools", last_turn).active == 0:
+            break
+    progress.finish(f"iteration {iteration}: all rollouts stopped after {turn + 1} turn(s)")
+    POLICY_ENGINE.close(unless_it_reloads=True)  # free its memory for the stages that load models
+    rewarded = run_on("assign-rewards", config, last_turn, runner)
+    advantaged = run_on("compute-advantages", config, rewarded)
+    # ppo-update's gate, passed as soon as the batch exists (its task finds the pass): with
+    # ppo.max_staleness, beside the previous update; a batch that fails is never trained on
+    audit_before_training(store, advantaged, config, seed=config.seed + iteration)
+    return advantaged
+
+
+@contextmanager
+def in_background(function: Callable[..., Any], *args: Any) -> Iterator[None]:
+    """Run function(*args) in a thread while the block runs, inside this flow run (its task runs
+    are this run's, shown running beside the block's), and wait for it at the block's end. Its
+    error is raised there, unless the block's own is already on its way."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate-ahead") as pool:
+        done = pool.submit(contextvars.copy_context().run, function, *args)
+        try:
+            yield
+        except BaseException:
+            wait([done])
+            raise
+        done.result()
 
 
 @flow(name="rl-training")
@@ -110,7 +171,7 @@ def rl_training(config: RunConfig) -> list[dict[str, Any]]:
         try:
             for iteration in range(config.iterations):
                 last = iteration == config.iterations - 1
-                results.append(rl_iteration(config, iteration=iteration, policy_version=policy_version, plot=last))
+                results.append(rl_iteration(config, iteration, policy_version, plot=last, generate_next=not last))
                 policy_version = results[-1]["next_policy"]
         finally:
             POLICY_ENGINE.close()
@@ -133,9 +194,10 @@ def warm_start(config: RunConfig) -> str:
 
 @flow(name="rl-stage")
 @artifacts.sent_before_exit
-def rerun_stage(config: RunConfig, stage: str, source: str) -> str:
+def rerun_stage(config: RunConfig, stage: str, source: str, policy: str | None = None) -> str:
     """Re-run one stage on a stored input (e.g. re-score rewards, or A/B two estimators on the
-    same rollouts); writes a new version beside the old one, or finds it already stored."""
+    same rollouts); writes a new version beside the old one, or finds it already stored.
+    `policy`: the policy ppo-update trains (default: the rollouts' generating policy)."""
     use_threads(config.runner.threads)  # a deployment's run starts here, not in `mtrl`
     load_plugins(config.task.plugins)
     store = Store(config.store.runs_dir)
@@ -145,7 +207,7 @@ def rerun_stage(config: RunConfig, stage: str, source: str) -> str:
         choices = ", ".join(f"{name} --from {source}/VERSION" for name, source in rerunnable.items())
         raise ValueError(f"`mtrl stage {stage}` cannot run on {source_stage}/VERSION; valid: {choices}")
     with store.lock(), stage_runner(config.runner) as runner:
-        version = run_on(stage, config, source_version, runner)
+        version = run_on(stage, config, source_version, runner, policy=policy)
         if stage == "ppo-update":
             prune_lineage(store, config, store.manifest(stage, version).policy)
         return version

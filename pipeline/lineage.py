@@ -2,12 +2,13 @@
 
 The store (store.py) knows versions, parents and files; these queries know what the stages
 mean: an iteration's turns are a chain of execute-tools versions, a policy was trained by a
-ppo-update from the policy that generated its rollouts, the first policy is the KL reference,
-and each stage records the part of the run config its output depends on.
+ppo-update from the previous policy (on rollouts of an older one with ppo.max_staleness > 0),
+the first policy is the KL reference, and each stage records the part of the run config its output depends on.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,6 +55,14 @@ def policy_chain(store: Store, policy_version: str) -> Iterator[Manifest]:
         yield manifest
         update = manifest.parents.get("ppo-update")
         version = store.manifest("ppo-update", update).parents[POLICY] if update else None
+
+
+def policy_before(store: Store, policy_version: str, updates: int) -> str:
+    """The policy `updates` ppo-updates before this one in its lineage, or the starting policy
+    when the lineage is shorter: with ppo.max_staleness K, iteration i's rollouts come from the
+    policy K updates before the one iteration i trains, i.e. from policy max(0, i - K)."""
+    *_, last = itertools.islice(policy_chain(store, policy_version), updates + 1)
+    return last.version
 
 
 def reference_policy(store: Store, policy_version: str) -> str:
@@ -103,5 +112,8 @@ def rebuild_hint(store: Store, stage: str, version: str) -> str:
             if writer == "sft":
                 return f"; sft/{made.version} wrote it: `mtrl sft` with the config of that run rebuilds it"
             source = f"compute-advantages/{made.parents['compute-advantages']}"
-            return f"; ppo-update/{made.version} wrote it: `mtrl stage ppo-update --from {source}` rebuilds it"
+            trained = made.parents[POLICY]
+            stale = trained != generating_policy(store, "compute-advantages", made.parents["compute-advantages"])
+            policy = f" --policy {trained}" if stale else ""  # rollouts of an older policy (ppo.max_staleness)
+            return f"; ppo-update/{made.version} wrote it: `mtrl stage ppo-update --from {source}{policy}` rebuilds it"
     return ""

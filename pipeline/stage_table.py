@@ -136,7 +136,8 @@ STAGES: dict[str, Stage] = {
             features=features.GENERATE_ROLLOUTS,
             config=("generation", "task", "seed", "model.dtype"),
             derived=("device", "environment_code", "engine_version"),
-            code=("stages/generate_rollouts", "stages/tasks.py"),
+            # with the worker extension the vLLM servers mtrl starts load each policy through
+            code=("stages/generate_rollouts", "stages/generate_rollouts/vllm_extension", "stages/tasks.py"),
         ),
         Stage(
             name="execute-tools",
@@ -181,7 +182,9 @@ STAGES: dict[str, Stage] = {
             # same things, as the runner's choice of process does for tools (tested equal within
             # float rounding: tests/test_distributed.py). A collective's timeout only decides when a
             # hung job fails: what a finished one computed does not depend on it.
-            placement=("ppo.nodes", "ppo.collective_timeout_s"),
+            # ppo.max_staleness only picks the inputs (which policy generated, which one trains), and
+            # both are parents: an update of the same rollouts and policy is the same update.
+            placement=("ppo.nodes", "ppo.collective_timeout_s", "ppo.max_staleness"),
             derived=("device", "fresh_optimizer"),
             # the update and, with ppo.world_size > 1, the worker each rank runs; not the launcher
             # (launch.py: where the ranks run, as ppo.nodes)

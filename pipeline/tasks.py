@@ -280,7 +280,9 @@ def generate_rollouts_task(
     )
     provenance = generate_rollouts.provenance(config.generation, config.seed, tokenizer) | {"engine": engine.describe()}
     # a cold engine (a resumed run) replays the earlier turns first; 0.0 means bit-identical
-    return dataset, {"provenance": provenance, "replay": replay}
+    # staleness: how many updates the generating policy is behind the one this iteration trains
+    staleness = iteration - 1 - store.manifest(POLICY, policy_version).iteration
+    return dataset, {"provenance": provenance, "replay": replay, "staleness": staleness}
 
 
 def execute_shard(turns: datasets.Dataset, model_dir: str, config: RunConfig) -> datasets.Dataset:
@@ -345,8 +347,13 @@ def ppo_update_task(
     """Train the policy on the iteration's rollouts (in this process, or as ppo.world_size
     processes under torchrun, here or on ppo.nodes Ray nodes); write the next policy, then the metrics."""
     turns = store.load("compute-advantages", parents["compute-advantages"])
-    report = audit_before_training(store, parents["compute-advantages"], turns, config, seed=config.seed + iteration)
-    recompute = config.recomputes_old_logprobs()  # exact generation logprobs are the old ones (the audit re-scored)
+    report = audit_before_training(store, parents["compute-advantages"], config, config.seed + iteration, turns)
+    generating = lineage.generating_policy(store, "compute-advantages", parents["compute-advantages"])
+    # Exact generation logprobs of the trained policy are its old logprobs (the audit re-scored them).
+    # Rollouts of an older policy (ppo.max_staleness) are the decoupled case: the ratio is taken
+    # against the trained policy's recomputed logprobs, the TIS weight corrects from the generating one.
+    stale = generating != parents[POLICY]
+    recompute = config.recomputes_old_logprobs() or stale
     parameters = parameter_count(store.policy_dir(parents[POLICY]))
     ppo = ppo_update.memory_settings(config.ppo.model_copy(update={"recompute_old_logprobs": recompute}), parameters)
     training = {
@@ -395,6 +402,8 @@ def ppo_update_task(
         },
         "optimizer_state_restored": trained.optimizer_state_restored,
         "old_logprobs": "recomputed" if recompute else "generation",
+        # updates between the policy that generated the rollouts and the one trained (ppo.max_staleness)
+        "staleness": store.manifest(POLICY, parents[POLICY]).iteration - store.manifest(POLICY, generating).iteration,
         "policy": next_policy,
         "policy_files": policy_files,
         **placement,
@@ -458,10 +467,17 @@ def advantage_inputs(config: RunConfig, store: Store, rewarded: str) -> Inputs:
     return config, parents, {}
 
 
-def update_inputs(config: RunConfig, store: Store, advantaged: str) -> Inputs:
-    """ppo-update trains the policy that generated the rollouts; its position is their iteration."""
+def update_inputs(config: RunConfig, store: Store, advantaged: str, policy: str | None = None) -> Inputs:
+    """ppo-update trains `policy`: the newest one of the run, which with ppo.max_staleness > 0 may
+    be newer than the policy that generated the rollouts (null: that one, the synchronous loop).
+    Its position is the rollouts' iteration."""
     rollouts = store.ancestor("compute-advantages", advantaged, "generate-rollouts")
-    parents = {"compute-advantages": advantaged, POLICY: rollouts.parents[POLICY]}
+    if policy is not None and policy != rollouts.parents[POLICY] and config.ppo.recompute_old_logprobs is False:
+        raise ValueError(
+            f"ppo-update of policy {policy} on rollouts of policy {rollouts.parents[POLICY]} needs the trained "
+            "policy's own old logprobs: leave ppo.recompute_old_logprobs null"
+        )
+    parents = {"compute-advantages": advantaged, POLICY: policy or rollouts.parents[POLICY]}
     position = {"iteration": rollouts.iteration}
     return optimizer_start(config, store, parents, position), parents, position
 
@@ -494,8 +510,12 @@ ON_ONE_INPUT: dict[str, tuple[Any, Callable[[RunConfig, Store, str], Inputs]]] =
 }
 
 
-def run_on(stage: str, config: RunConfig, source: str, runner: Any | None = None) -> str:
-    """Run `stage` on the stored version `source` of its rerun_from stage; returns its version."""
+def run_on(stage: str, config: RunConfig, source: str, runner: Any | None = None, policy: str | None = None) -> str:
+    """Run `stage` on the stored version `source` of its rerun_from stage; returns its version.
+    `policy`: the policy ppo-update trains, when it is not the one that generated the rollouts."""
     prefect_task, inputs = ON_ONE_INPUT[stage]
-    config, parents, position = inputs(config, Store(config.store.runs_dir), source)
+    store = Store(config.store.runs_dir)
+    if policy is not None and stage != "ppo-update":
+        raise ValueError(f"{stage} reads the policy of its rollouts' lineage; only ppo-update takes a policy")
+    config, parents, position = inputs(config, store, source, policy) if policy else inputs(config, store, source)
     return run_stage(prefect_task, config, parents, position, runner=runner)

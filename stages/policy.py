@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,10 +68,20 @@ def load_tokenizer(model_dir: str | Path, chat_template: str | None = None) -> A
     return tokenizer
 
 
+# transformers' from_pretrained changes process-wide state while it builds a model: the default
+# dtype, torch.nn.init's functions (no-ops), PreTrainedModel.tie_weights (a no-op). A second thread
+# loading at the same time built a model whose tied lm_head stayed on the meta device (measured).
+# With ppo.max_staleness the flow prepares the next iteration's batch in a second thread: loads
+# take this lock, and so do module initialisations (the value head, LoRA adapters) and the HF
+# engine's forward passes, which create tensors under the default dtype.
+TRANSFORMERS_GLOBALS = threading.RLock()
+
+
 def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "auto") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype])
+    with TRANSFORMERS_GLOBALS:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_DTYPES[dtype])
     return model.to(pick_device(device)).eval()
 
 
@@ -114,9 +125,10 @@ class ValueHead(torch.nn.Module):
 
     def __init__(self, hidden_size: int):
         super().__init__()
-        self.linear = torch.nn.Linear(hidden_size, 1)
-        torch.nn.init.zeros_(self.linear.weight)
-        torch.nn.init.zeros_(self.linear.bias)
+        with TRANSFORMERS_GLOBALS:  # torch.nn.init is a no-op while another thread loads a model
+            self.linear = torch.nn.Linear(hidden_size, 1)
+            torch.nn.init.zeros_(self.linear.weight)
+            torch.nn.init.zeros_(self.linear.bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.linear(hidden.float())[..., 0]

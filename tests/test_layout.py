@@ -108,7 +108,8 @@ def test_stages_never_import_each_other():
 # Per stage: files its version must hash, and files it must not (they do not shape its output).
 MUST = {
     "generate-rollouts": {"stages/tasks.py", "stages/tools.py", "stages/environments.py", "stages/policy.py",
-                          "stages/generate_rollouts/hf.py", "stages/generate_rollouts/vllm_server.py"},
+                          "stages/generate_rollouts/hf.py", "stages/generate_rollouts/vllm_server.py",
+                          "stages/generate_rollouts/vllm_extension/mtrl_vllm_extension.py"},
     "execute-tools": {"stages/execute_tools/calls.py", "stages/tools.py", "stages/environments.py"},
     "assign-rewards": {"stages/assign_rewards.py", "stages/environments.py"},
     "compute-advantages": {"stages/compute_advantages.py", "stages/policy.py"},

@@ -123,6 +123,30 @@ def test_tis_entropy_kl_and_value_terms_of_the_token_loss_by_hand():
     assert total.tolist() == pytest.approx([-2.05, 0.85])
 
 
+def test_the_decoupled_loss_of_stale_rollouts_by_hand():
+    # Rollouts of a behaviour policy mu (ppo.max_staleness), the update starting from pi_old (the
+    # proximal policy, its logprobs recomputed), now at pi. Per token (AReaL's decoupled PPO with a
+    # truncated weight): -min(pi_old/mu, cap) * min(r A, clip(r) A), r = pi / pi_old, clip [0.8, 1.28].
+    #   pi_old/mu = 1.5, 4, 0.5 -> w = 1.5, 2 (capped), 0.5;  r = 1.1, 1.5, 0.7;  A = 1, 1, -1
+    #   t1: -1.5 * 1.1 = -1.65, gradient -A * r * w = -1.65
+    #   t2: -2 * 1.28 = -2.56 (clipped: no gradient)
+    #   t3: A < 0: max(0.7, 0.8) = 0.8 (clipped), 0.5 * 0.8 = 0.4, no gradient
+    # The clip is around pi_old, not mu: PPO against mu alone would see r = 1.65 at t1 and clip it.
+    behaviour = torch.tensor([-1.0, -1.0, -2.0])
+    old = behaviour + torch.log(torch.tensor([1.5, 4.0, 0.5]))
+    logprobs = (old + torch.log(torch.tensor([1.1, 1.5, 0.7]))).requires_grad_()
+    batch = {"old_logprobs": old, "generation_logprobs": behaviour, "advantages": torch.tensor([1.0, 1.0, -1.0])}
+    config = PPOConfig(tis_cap=2.0, clip_low=0.2, clip_high=0.28, clip_ratio_c=None, entropy_coef=0.0, kl_coef=0.0)
+    total, _, clipped, is_weight = token_loss(batch, logprobs, torch.zeros(3), None, config)
+    total.sum().backward()
+    assert is_weight.tolist() == pytest.approx([1.5, 2.0, 0.5])
+    assert total.tolist() == pytest.approx([-1.65, -2.56, 0.4], abs=1e-6)
+    assert logprobs.grad.tolist() == pytest.approx([-1.65, 0.0, 0.0], abs=1e-6)
+    assert clipped.tolist() == [False, True, True]
+    on_behaviour = {**batch, "old_logprobs": behaviour}  # the ratio against mu: another loss
+    assert token_loss(on_behaviour, logprobs, torch.zeros(3), None, config)[0][0].item() == pytest.approx(-1.28)
+
+
 def test_loss_aggregation_modes_by_hand_and_across_micro_batches():
     # per-token losses [1, 2, 3] (sequence 0) and [4] (sequence 1)
     loss, index = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([0, 0, 0, 1])

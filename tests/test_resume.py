@@ -1,5 +1,7 @@
-"""Kill a real `mtrl run` with SIGKILL at 10 random moments, restart it each time, and check it
-ends with exactly the versions and bytes of an uninterrupted run (slow: ~2-3 minutes)."""
+"""Kill a real `mtrl run` with SIGKILL at random moments, restart it each time, and check it ends
+with exactly the versions and bytes of an uninterrupted run: the synchronous loop (10 kills), and
+with ppo.max_staleness=1, where the next iteration generates while one trains (6 kills; `mtrl diff`
+too, for both). Slow: ~4 minutes."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.cli import main
 from pipeline.store import Store
 
 pytestmark = pytest.mark.slow
@@ -35,8 +38,9 @@ ARGS = [
 ]
 
 
-def start(runs_dir: Path, env: dict) -> subprocess.Popen:
+def start(runs_dir: Path, env: dict, staleness: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "pipeline.cli", "run", "--runs-dir", str(runs_dir), *ARGS]
+    command += ["--set", f"ppo.max_staleness={staleness}"]
     return subprocess.Popen(
         command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
@@ -49,9 +53,12 @@ def contents(runs_dir: Path) -> dict[str, dict]:
     return {f"{m.stage}/{m.version}": m.files for m in store.versions()}
 
 
-def test_sigkill_at_ten_random_moments_then_resume_gives_the_uninterrupted_data(tmp_path, prefect_server_env):
+@pytest.mark.parametrize("staleness, kill_count", [(0, 10), (1, 6)])
+def test_sigkill_at_random_moments_then_resume_gives_the_uninterrupted_data(
+    tmp_path, prefect_server_env, staleness, kill_count, capsys
+):
     # One real Prefect server outlives the kills, so a restart costs its imports, not a server start.
-    reference = start(tmp_path / "reference", prefect_server_env)
+    reference = start(tmp_path / "reference", prefect_server_env, staleness)
     assert reference.wait(timeout=600) == 0
     expected = contents(tmp_path / "reference")
 
@@ -60,9 +67,9 @@ def test_sigkill_at_ten_random_moments_then_resume_gives_the_uninterrupted_data(
     rng = random.Random(1234)
     faulted = tmp_path / "faulted"
     kills = []
-    while len(kills) < 10:
+    while len(kills) < kill_count:
         before = len(list_versions(faulted))
-        process = start(faulted, prefect_server_env)
+        process = start(faulted, prefect_server_env, staleness)
         deadline = time.monotonic() + 300
         while process.poll() is None and len(list_versions(faulted)) == before and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -72,12 +79,14 @@ def test_sigkill_at_ten_random_moments_then_resume_gives_the_uninterrupted_data(
         os.killpg(process.pid, signal.SIGKILL)  # the run and its tool workers
         process.wait()
         kills.append(len(list_versions(faulted)))
-    final = start(faulted, prefect_server_env)
+    final = start(faulted, prefect_server_env, staleness)
     assert final.wait(timeout=600) == 0
     print("versions on disk at each kill:", json.dumps(kills))
     assert kills == sorted(kills) and kills[-1] < len(expected)  # progress between kills, not finished
     assert [p for p in faulted.rglob(".tmp-*")] == []  # cleaned by the restarts (their writers are dead)
     assert contents(faulted) == expected
+    assert main(["diff", str(tmp_path / "reference"), str(faulted)]) == 0
+    assert capsys.readouterr().out.strip().endswith(" 0 different")
     replays = [m.extra("replay") for m in Store(faulted).versions("generate-rollouts") if m.extra("replay")]
     assert all(r["max_abs_logprob_difference"] == 0.0 for r in replays)
 

@@ -20,7 +20,7 @@ from schemas.config import RunConfig
 from schemas.features import FinishReason
 from schemas.token_stream import rollouts
 from stages.generate_rollouts.engine import ENGINES, Completion, Generation, Request, Sampling
-from stages.policy import eos_token_ids, load_model
+from stages.policy import TRANSFORMERS_GLOBALS, eos_token_ids, load_model
 
 
 def filter_logits(scaled_logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -142,14 +142,15 @@ class HFEngine:
         # `cache` (argument and output field) is transformers' name since 5.24; `past_key_values`
         # warns there and goes in 5.40. 5.23 and older know only `past_key_values` (their outputs
         # have no `cache`), hence pyproject.toml's transformers>=5.24.
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            cache=self._cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with TRANSFORMERS_GLOBALS:  # not while another thread's from_pretrained changes them
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                cache=self._cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         self._cache, self._mask = out.cache, mask
         return out.logits[:, -1, :].float()
 
@@ -206,7 +207,9 @@ class HFEngine:
                 # Inverse-CDF sampling with one uniform per row from the row's own generator:
                 # vectorised, and a row's tokens do not depend on the rest of the batch.
                 probs = filter_logits(scaled, sampling.top_k, sampling.top_p).softmax(dim=-1)
-                uniforms = torch.stack([torch.rand((), generator=g, device=self.device) for g in generators])
+                uniforms = torch.stack(
+                    [torch.rand((), generator=g, device=self.device, dtype=torch.float32) for g in generators]
+                )
                 cumulative = probs.cumsum(dim=-1)
                 tokens = torch.searchsorted(cumulative, (uniforms * cumulative[:, -1])[:, None])[:, 0]
                 tokens = tokens.clamp(max=probs.shape[-1] - 1)

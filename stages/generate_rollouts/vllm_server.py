@@ -13,10 +13,14 @@ top-k/top-p mask) when top-k/top-p are off, `raw_logprobs` (no temperature, no m
 are on with temperature 1; the config refuses the remaining combination. The audit's rescore
 checks the stored logprobs against an HF recompute either way.
 
-Weights: the policy changes every iteration. A started server is restarted on the new checkpoint
-(`weight_update: restart`), which is exact on every build; `reload` asks the server to reload the
-checkpoint in place and resets its prefix cache (fast on GPU builds; vLLM's CPU build keeps its
-pre-packed linear layers and is then stale, which the audit catches).
+Weights: the policy changes every iteration. By default (`weight_update: in_place`) the running
+server loads the new checkpoint: a server mtrl starts runs mtrl's worker extension
+(vllm_extension/mtrl_vllm_extension.py: vLLM's reload, then the re-packing vLLM's CPU build
+misses), a server at `vllm.url` vLLM's own `reload_weights`; then its prefix cache (the old
+policy's KV) is reset. `restart` starts a new server on each checkpoint instead. Either way, every
+policy the engine serves is verified before it generates: a probe's sampled tokens are re-scored
+by an HF float32 forward of the checkpoint, and a logprob off by more than the audit's tolerance
+fails the iteration (EngineError), never a silent fallback.
 """
 
 from __future__ import annotations
@@ -40,13 +44,19 @@ from typing import Any
 import datasets
 
 from runtime.processes import dies_with_this_thread, free_port
-from schemas.config import GenerationConfig, RunConfig
+from schemas.config import GenerationConfig, RunConfig, rescore_tolerance
 from schemas.features import FinishReason
 from stages.generate_rollouts.engine import ENGINES, Completion, Generation, Request, Sampling
 from stages.policy import eos_token_ids, pick_device
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVED_MODEL_NAME = "policy"
+# mtrl's worker extension, imported by the servers mtrl starts (their PYTHONPATH holds its folder)
+EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_extension"
+EXTENSION_CLASS = "mtrl_vllm_extension.CheckpointReload"
+# The verification probe: PROBE_PROMPTS prompts of PROBE_PROMPT_TOKENS random token ids, each
+# continued by PROBE_NEW_TOKENS sampled tokens whose logprobs an HF forward re-scores.
+PROBE_PROMPTS, PROBE_PROMPT_TOKENS, PROBE_NEW_TOKENS = 2, 32, 16
 FINISH_REASONS = {"length": FinishReason.LENGTH, "stop": FinishReason.STOP}
 
 
@@ -131,6 +141,7 @@ class VLLMServer:
             "--tensor-parallel-size", str(settings.tensor_parallel_size),
             "--data-parallel-size", str(settings.data_parallel_size),
             "--gpu-memory-utilization", str(settings.gpu_memory_utilization),
+            "--worker-extension-cls", EXTENSION_CLASS,
         ]  # fmt: skip
         if pick_device(config.model.device).type == "cpu":
             command.append("--enforce-eager")  # CUDA graphs and torch.compile do not apply on CPU
@@ -141,7 +152,14 @@ class VLLMServer:
             command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
         command += settings.extra_args
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1"}
+        python_path = os.pathsep.join(filter(None, [str(EXTENSION_DIR), os.environ.get("PYTHONPATH")]))
+        environment = {
+            **os.environ,
+            "PYTHONPATH": python_path,
+            "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc and /reset_prefix_cache, for in-place updates
+            "HF_HUB_OFFLINE": "1",
+            "DO_NOT_TRACK": "1",
+        }
         with open(log_path, "ab") as log:
             log.write(f"$ {' '.join(command)}\n".encode())
             log.flush()
@@ -237,9 +255,11 @@ class VLLMEngine:
         self.server = server
         self.log = str(server.log_path) if server else f"the log of the server at {self.url}"
         self.runs_dir = config.store.runs_dir
-        self.reloads_in_place = (
-            self.settings.weight_update or ("reload" if self.settings.url else "restart")
-        ) == "reload"
+        self.reloads_in_place = self.settings.weight_update == "in_place"
+        self.temperature = config.generation.temperature
+        self.device = config.model.device
+        self.tolerance = rescore_tolerance(config.audit.tolerance, config.model.dtype)
+        self.update: dict[str, Any] = {}  # how the served policy (folder name) got there (provenance)
 
     @classmethod
     def open(cls, model_dir: str | Path, tokenizer: Any, config: RunConfig) -> VLLMEngine:
@@ -257,15 +277,25 @@ class VLLMEngine:
             engine.load_policy(model_dir)  # whatever it served before
             return engine
         log_path = Path(config.store.runs_dir) / "logs" / f"vllm-{Path(model_dir).name}.log"
+        started = time.perf_counter()
         server = VLLMServer(model_dir, config, log_path)
-        return cls(server.url, eos_ids, max_model_len, config, server)
+        engine = cls(server.url, eos_ids, max_model_len, config, server)
+        engine.update = {
+            "policy": Path(model_dir).name,
+            "how": "server start",
+            "seconds": round(time.perf_counter() - started, 4),
+        }
+        engine.verify(model_dir)
+        return engine
 
     def describe(self) -> dict[str, Any]:
         return {
             "name": "vllm",
             "version": vllm_version(self.settings.python, self.settings.url),
             "server": "started by mtrl" if self.server else self.url,
-            "weight_update": "reload" if self.reloads_in_place else "restart",
+            "weight_update": self.settings.weight_update,
+            # how this policy reached the server, how long it took, and its verification
+            "policy_update": self.update,
             # a server at vllm.url returns what its operator started it with
             "logprobs_mode": self.server.logprobs_mode
             if self.server
@@ -273,20 +303,61 @@ class VLLMEngine:
         }
 
     def load_policy(self, model_dir: str | Path) -> None:
-        """Reload the server's weights from this checkpoint (weight_update reload)."""
+        """Load this checkpoint into the running server (weight_update in_place), reset its prefix
+        cache, and verify the result before anything generates with it."""
         weights = str(served_checkpoint(model_dir, self.runs_dir))
+        # mtrl's worker extension on a server mtrl started; vLLM's own reload on another
+        method = "reload_checkpoint" if self.server else "reload_weights"
+        started = time.perf_counter()
         try:
             post_json(
                 f"{self.url}/collective_rpc",
-                {"method": "reload_weights", "kwargs": {"weights_path": weights}},
+                {"method": method, "kwargs": {"weights_path": weights}},
                 self.settings.request_timeout_s,
             )
-            post_json(f"{self.url}/reset_prefix_cache", {}, self.settings.request_timeout_s)  # cached old-policy KV
+            reset = post_json(f"{self.url}/reset_prefix_cache", {}, self.settings.request_timeout_s)
         except OSError as exc:  # HTTP errors included
             raise EngineError(
-                f"the vLLM server at {self.url} did not reload {model_dir} ({exc}); reload needs a server started "
-                f"with VLLM_SERVER_DEV_MODE=1; see {self.log}"
+                f"the vLLM server at {self.url} did not load {model_dir} in place ({exc}); that needs a server "
+                f"started with VLLM_SERVER_DEV_MODE=1; see {self.log}"
             ) from exc
+        if not (reset or {}).get("success", False):  # refused while requests hold blocks: none should
+            raise EngineError(f"the vLLM server at {self.url} did not reset its prefix cache after loading {model_dir}")
+        self.update = {
+            "policy": Path(model_dir).name,
+            "how": f"in place ({method})",
+            "seconds": round(time.perf_counter() - started, 4),
+        }
+        self.verify(model_dir)
+
+    def verify(self, model_dir: str | Path) -> None:
+        """Check that the server serves this checkpoint: sample a fixed probe, re-score its tokens
+        with an HF float32 forward of the checkpoint, and fail on a difference over the tolerance."""
+        import torch
+
+        from stages.policy import load_model
+
+        started = time.perf_counter()
+        model = load_model(model_dir, "float32", self.device)
+        vocab_size = model.get_input_embeddings().weight.shape[0]
+        random = torch.Generator().manual_seed(0)
+        prompts = torch.randint(vocab_size, (PROBE_PROMPTS, PROBE_PROMPT_TOKENS), generator=random).tolist()
+        probe = [Request(i, ids, seed=i, max_new_tokens=PROBE_NEW_TOKENS) for i, ids in enumerate(prompts)]
+        worst = 0.0
+        for request, completion in zip(probe, self.generate(probe, Sampling(self.temperature)).completions):
+            stream = torch.tensor([request.token_ids + completion.token_ids], device=model.device)
+            with torch.no_grad():
+                logits = model(stream).logits[0, len(request.token_ids) - 1 : -1].float() / self.temperature
+            rescored = logits.log_softmax(-1).gather(-1, stream[0, len(request.token_ids) :, None])[:, 0]
+            difference = (rescored.cpu() - torch.tensor(completion.logprobs)).abs().max()
+            worst = max(worst, float(difference))
+        self.update |= {"verify_seconds": round(time.perf_counter() - started, 4), "probe_max_abs_diff": worst}
+        if not worst <= self.tolerance:  # NaN fails too
+            raise EngineError(
+                f"the vLLM server at {self.url} does not serve {model_dir} after its weight update "
+                f"({self.update['how']}): a probe's logprobs differ from an HF float32 recompute by up to {worst:.3g} "
+                f"(tolerance {self.tolerance:g}); no rollout was generated with it. See {self.log}"
+            )
 
     def close(self) -> None:
         if self.server is not None:

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from schemas.config import PPOConfig
 from stages.policy import (
     LARGE_MODEL_PARAMETERS,
+    TRANSFORMERS_GLOBALS,
     RolloutSequence,
     Scorer,
     ValueHead,
@@ -397,8 +398,9 @@ def train_policy(
     report_progress: Callable[[float], None] | None = None,
     ranks: Ranks = SINGLE,
 ) -> TrainedPolicy | None:
-    """ppo-update: load the policy that generated `turns` (the compute-advantages rows) with its
-    value head and AdamW state, optimise it on them, and return it ready to save.
+    """ppo-update: load the policy to train (the one that generated `turns`, the compute-advantages
+    rows, or with ppo.max_staleness a newer one) with its value head and AdamW state, optimise it
+    on them, and return it ready to save.
 
     Full fine-tuning continues the previous iteration's AdamW (its state is saved beside the
     policy). With ppo.lora_rank > 0 fresh adapters are trained and merged afterwards, so the
@@ -415,7 +417,11 @@ def train_policy(
         from peft import LoraConfig, get_peft_model
 
         lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules="all-linear")
-        model = get_peft_model(model, lora)
+        # The adapters' random init draws from torch's global generator: seeded here, and under the
+        # lock, so that no other thread (a value head built beside it) draws in between.
+        with TRANSFORMERS_GLOBALS:
+            torch.manual_seed(seed)
+            model = get_peft_model(model, lora)
     trained: torch.nn.Module = model  # what ppo_update optimises: the model, or its sharded Scorer
     if ranks.distributed:
         trained = Scorer(model)

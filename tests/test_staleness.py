@@ -1,0 +1,113 @@
+"""Bounded staleness (ppo.max_staleness K): iteration i's rollouts come from policy max(0, i - K)
+on a fixed schedule, the next iteration's experience (rollouts, rewards, advantages) is made
+while this one trains (real Prefect task runs, overlapping), and the update trains the newest
+policy with the decoupled loss."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.flows import rl_training
+from pipeline.lineage import generating_policy, policy_before, policy_chain
+from pipeline.store import Store
+from pipeline.tasks import POLICY_ENGINE
+from schemas.config import RunConfig
+
+
+def train(config: RunConfig, staleness: int, iterations: int) -> list[dict]:
+    try:
+        return rl_training(config.with_overrides({"iterations": iterations, "ppo.max_staleness": staleness}))
+    finally:
+        POLICY_ENGINE.close()
+
+
+def policy_numbers(store: Store, newest: str) -> dict[str, int]:
+    """Policy version -> n, where policy n is the one n updates after the starting policy."""
+    chain = [m.version for m in policy_chain(store, newest)][::-1]
+    return {version: n for n, version in enumerate(chain)}
+
+
+@pytest.mark.parametrize("staleness, iterations", [(1, 3), (2, 4)])
+def test_iteration_i_is_generated_by_policy_i_minus_k_and_trains_policy_i(
+    small_config, prefect_server, staleness, iterations
+):
+    results = train(small_config, staleness, iterations)
+    store = Store(small_config.store.runs_dir)
+    number = policy_numbers(store, results[-1]["next_policy"])
+    for i, result in enumerate(results):
+        update = store.manifest("ppo-update", result["versions"]["ppo-update"])
+        generating = generating_policy(store, "ppo-update", update.version)
+        assert number[generating] == max(0, i - staleness) == number[result["generating_policy"]]
+        assert number[update.parents["policy"]] == i  # the newest policy trains
+        assert update.extra("staleness") == i - max(0, i - staleness)
+        # every rollout of a stale iteration is the older policy's, checked against it by the audit
+        turns = store.load("compute-advantages", update.parents["compute-advantages"])
+        assert set(turns["policy_version"]) == {generating}
+        assert update.extra("audit")["rescore_max_abs_diff"] <= 1e-3
+        # the decoupled loss: old logprobs are the trained policy's own, recomputed, when it did not generate
+        assert update.extra("old_logprobs") == ("recomputed" if i > 0 else "generation")
+        assert {m.extra("staleness") for m in store.versions("generate-rollouts") if m.iteration == i} == {
+            i - max(0, i - staleness)
+        }
+    # the schedule is a pure function of the lineage: the same query gives the same policy
+    assert policy_before(store, results[-1]["policy"], staleness) == results[-1]["generating_policy"]
+    assert policy_before(store, results[0]["policy"], staleness) == results[0]["policy"]  # clamped at policy 0
+
+
+def test_the_next_iterations_experience_is_made_while_this_one_trains(small_config, prefect_server):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    results = train(small_config, staleness=1, iterations=2)
+    store = Store(small_config.store.runs_dir)
+    first, second = results  # iteration 1's rollouts are policy 0's
+    assert second["generating_policy"] == first["policy"]
+    runs_dir = str(small_config.store.runs_dir)
+    with get_client(sync_client=True) as client:
+        (flow_run,) = [  # this test's iteration 0
+            run
+            for run in client.read_flow_runs()
+            if run.parameters.get("iteration") == 0 and run.parameters["config"]["store"]["runs_dir"] == runs_dir
+        ]
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
+    by_name: dict[str, list] = {}
+    for run in task_runs:
+        assert run.state.is_completed(), f"{run.name}: {run.state}"
+        by_name.setdefault(run.name.rsplit("-", 1)[0], []).append(run)
+    # flow run 0 made iteration 0's experience, then iteration 1's beside its ppo-update
+    (update,) = by_name["ppo-update"]
+    first_made = min(r.end_time for r in by_name["compute-advantages"])  # iteration 0's advantages
+    ahead = [r for name in ("generate-rollouts", "execute-tools", "assign-rewards", "compute-advantages")
+             for r in by_name[name] if r.start_time >= first_made]  # fmt: skip
+    turns = [m for m in store.versions("generate-rollouts") if m.iteration == 1]
+    assert len([r for r in ahead if r.name.startswith("generate-rollouts")]) == len(turns)
+    assert len([r for r in ahead if r.name.startswith("compute-advantages")]) == 1
+    # ... running while ppo-update ran
+    assert min(r.start_time for r in ahead) < update.end_time and max(r.end_time for r in ahead) > update.start_time
+    assert second["versions"]["compute-advantages"] in {m.version for m in store.versions("compute-advantages")}
+
+
+def test_staleness_needs_the_trained_policys_own_old_logprobs():
+    with pytest.raises(ValueError, match="max_staleness=1 with recompute_old_logprobs=false"):
+        RunConfig(ppo={"max_staleness": 1, "recompute_old_logprobs": False})
+
+
+@pytest.mark.slow
+def test_a_value_head_and_lora_adapters_built_beside_the_next_batch_give_the_same_bytes_every_run(
+    small_config, prefect_server, tmp_path, capsys
+):
+    """With K = 1 the next batch's advantages (GAE: a value head built and scored) are made while
+    ppo-update builds its LoRA adapters and value head: both draw from torch's global generator
+    and transformers patches torch.nn.init while it loads. Two runs must still be the same bytes."""
+    from pipeline.cli import main
+
+    runs = []
+    for name in ("a", "b"):
+        config = small_config.with_overrides(
+            {"store.runs_dir": str(tmp_path / name), "advantage.estimator": "gae", "ppo.lora_rank": 4}
+        )
+        train(config, staleness=1, iterations=3)
+        runs.append(str(tmp_path / name))
+    capsys.readouterr()
+    assert main(["diff", *runs]) == 0
+    assert capsys.readouterr().out.strip().endswith(" 0 different")
