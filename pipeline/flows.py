@@ -144,7 +144,7 @@ def in_background(function: Callable[..., Any], *args: Any) -> Iterator[None]:
     """Run function(*args) in a thread while the block runs, inside this flow run (its task runs
     are this run's, shown running beside the block's), and wait for it at the block's end. Its
     error is raised there, unless the block's own is already on its way."""
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate-ahead") as pool:
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="experience-ahead") as pool:
         done = pool.submit(contextvars.copy_context().run, function, *args)
         try:
             yield

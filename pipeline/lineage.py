@@ -3,7 +3,8 @@
 The store (store.py) knows versions, parents and files; these queries know what the stages
 mean: an iteration's turns are a chain of execute-tools versions, a policy was trained by a
 ppo-update from the previous policy (on rollouts of an older one with ppo.max_staleness > 0),
-the first policy is the KL reference, and each stage records the part of the run config its output depends on.
+the first policy is the KL reference, and each stage records the part of the run config its
+output depends on.
 """
 
 from __future__ import annotations

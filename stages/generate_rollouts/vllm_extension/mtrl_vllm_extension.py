@@ -9,15 +9,15 @@ Two parts:
   declared by the `.dist-info` folder beside this file, found on the PYTHONPATH): vLLM loads it in
   every process of the server.
 
-In place. vLLM's own
-`reload_weights` (its layerwise reload) loads every weight of the checkpoint and re-runs each
-loaded layer's weight processing: on the CPU build that re-packs the linear layers' GEMMs. A
-layer whose weight is not in the checkpoint is not re-processed: the tied `lm_head` (it shares
-`embed_tokens`' weight, which a checkpoint stores once) keeps the packed GEMM built from the old
-embedding, and the engine samples from a mix of two policies (logprobs off by whole nats).
-So after the reload every embedding-kind layer re-runs its own weight processing from the weight
-it now holds; on a GPU build that processing is a no-op. mtrl verifies every update against an
-HF recompute before the engine generates with it, whatever this does.
+Why the reload needs more than vLLM's own `reload_weights`: that layerwise reload loads every
+weight of the checkpoint and re-runs each loaded layer's weight processing (on the CPU build it
+re-packs the linear layers' GEMMs). A layer whose weight is not in the checkpoint is not
+re-processed: the tied `lm_head` (it shares `embed_tokens`' weight, which a checkpoint stores
+once) keeps the packed GEMM built from the old embedding, and the engine samples from a mix of
+two policies (logprobs off by whole nats). So after the reload every embedding-kind layer re-runs
+its own weight processing from the weight it now holds; on a GPU build that processing is a
+no-op. mtrl verifies every update against an HF recompute before the engine generates with it,
+whatever this does.
 """
 
 from __future__ import annotations
