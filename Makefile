@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev,ray]"
+	$(BIN)/pip install --quiet -e ".[dev,ray,ecosystem]"
 	touch $@
 
 # torchvision, torchaudio and torchcodec from the index do not import against the CPU torch (and

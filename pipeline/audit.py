@@ -38,9 +38,9 @@ from pipeline.store import Store
 from schemas.config import RunConfig, rescore_tolerance
 from schemas.features import GENERATE_ROLLOUTS, dataset_from_rows
 from schemas.token_stream import Rollout, generation_prompt_ids, prompt_token_ids, rollouts
-from stages.environments import ENVIRONMENTS
+from stages.environments import Environment
 from stages.policy import load_model, load_tokenizer, score_rollouts
-from stages.tools import TOOLS, tool_schema
+from stages.registry import environments, registered_tools, tool_schemas
 
 
 class AuditError(ValueError):
@@ -81,13 +81,17 @@ def audit(
     tokenizer: Any,
     *,
     enable_thinking: bool,
+    environments: dict[str, Environment],
+    tools: dict[str, Any],
     rescore_fraction: float = 0.1,
     rescore_tolerance: float = 1e-3,
     temperature: float = 1.0,
     seed: int = 0,
     max_failed_fraction: float = 1.0,
 ) -> AuditReport:
-    """Check a generate/execute/assign/compute dataset (columns it lacks are not checked)."""
+    """Check a generate/execute/assign/compute dataset (columns it lacks are not checked).
+    `environments` and `tools` (stages.registry.environments, registered_tools) render each rollout's
+    prompt, which its first context must be."""
     report = AuditReport(rescore_tolerance=rescore_tolerance)
     columns = set(turns.column_names)
     all_rollouts = rollouts(turns)
@@ -112,11 +116,11 @@ def audit(
                 else f"{at}: stream_offset {row['stream_offset']}, but the turns before it hold {offset} tokens",
             )
             if row["turn"] == 0:
-                environment = ENVIRONMENTS.get(row["task"])
+                environment = environments.get(row["task"])
                 if environment is not None:
-                    tools = [tool_schema(TOOLS[t]) for t in environment.tools]
                     messages = environment.reset(json.loads(row["task_payload"]))
-                    expected = prompt_token_ids(tokenizer, messages, tools, enable_thinking)
+                    schemas = tool_schemas(environment, tools)
+                    expected = prompt_token_ids(tokenizer, messages, schemas, enable_thinking)
                     report.add(
                         "stream",
                         None
@@ -264,6 +268,8 @@ def audit_before_training(
         store,
         load_tokenizer(str(policy_dir)),
         enable_thinking=config.generation.enable_thinking,
+        environments=environments(config),
+        tools=registered_tools(config),
         rescore_fraction=config.audit.rescore_fraction,
         rescore_tolerance=rescore_tolerance(config.audit.tolerance, config.model.dtype),
         temperature=config.generation.temperature,

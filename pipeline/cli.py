@@ -118,9 +118,9 @@ def validate_choices(config: RunConfig) -> None:
     try:
         check_environments(config)
         if config.sft.steps > 0:
-            from stages.sft import check_demonstrations
+            from stages.sft import check_demonstrations, demonstrators
 
-            check_demonstrations(config.sft_task_mix())
+            check_demonstrations(demonstrators(config))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if config.generation.engine not in ENGINES:
@@ -312,7 +312,7 @@ def command_eval(args: argparse.Namespace) -> Work:
     from stages.assign_rewards import rollout_metrics
     from stages.generate_rollouts.engine import open_engine
     from stages.policy import load_tokenizer
-    from stages.tasks import task_turn_limits
+    from stages.registry import environments
 
     def run() -> None:
         store = Store(config.store.runs_dir)
@@ -331,7 +331,8 @@ def command_eval(args: argparse.Namespace) -> Work:
             turns = run_episodes(engine, tokenizer, config, iteration=EVAL_ITERATION)
         finally:
             engine.close()
-        print(json.dumps({"policy": str(model_dir), **rollout_metrics(turns, task_turn_limits(config))}, indent=2))
+        metrics = rollout_metrics(turns, environments(config), config.task.max_turns)
+        print(json.dumps({"policy": str(model_dir), **metrics}, indent=2))
 
     return run
 
@@ -390,6 +391,8 @@ def command_audit(args: argparse.Namespace) -> Work:
     from pipeline.store import Store
     from schemas.config import rescore_tolerance
     from stages.policy import load_tokenizer
+    from stages.registry import environments, registered_tools
+    from stages.tasks import load_plugins
 
     store = Store(args.runs_dir)
     stage, version = store.resolve(args.reference)
@@ -403,6 +406,7 @@ def command_audit(args: argparse.Namespace) -> Work:
             raise UsageError(f"{stage}/{version} files do not match the manifest: {'; '.join(problems)}")
         turns = turns_with_history(store, stage, version)  # a later turn is checked after the earlier ones
         recorded = RunConfig.model_validate(lineage_config(store, stage, version))
+        load_plugins(recorded.task.plugins)  # the prompts of a plugin's tasks are checked too
         generation = recorded.generation
         tokenizer = load_tokenizer(str(store.policy_dir(turns[0]["policy_version"])))
         report = audit(
@@ -410,6 +414,8 @@ def command_audit(args: argparse.Namespace) -> Work:
             store,
             tokenizer,
             enable_thinking=generation.enable_thinking,
+            environments=environments(recorded),
+            tools=registered_tools(recorded),
             rescore_fraction=args.rescore_fraction,
             rescore_tolerance=rescore_tolerance(args.tolerance, recorded.model.dtype),
             temperature=generation.temperature,

@@ -9,10 +9,10 @@ import datasets
 
 from schemas.config import RunConfig
 from stages import assign_rewards
-from stages.environments import ENVIRONMENTS
 from stages.execute_tools import execute_turn
 from stages.generate_rollouts import generate_turn
 from stages.generate_rollouts.engine import GenerationEngine
+from stages.registry import environments
 from stages.tasks import turn_limit
 
 
@@ -27,4 +27,4 @@ def run_episodes(engine: GenerationEngine, tokenizer: Any, config: RunConfig, it
         rounds.append(execute_turn(generated, tokenizer, config))
         if all(stop is not None for stop in rounds[-1]["stop_reason"]):
             break
-    return assign_rewards.assign_rewards(datasets.concatenate_datasets(rounds), ENVIRONMENTS, config.reward)
+    return assign_rewards.assign_rewards(datasets.concatenate_datasets(rounds), environments(config), config.reward)

@@ -90,17 +90,17 @@ def _device(config: RunConfig) -> str:
 
 
 def _environment_code(config: RunConfig) -> dict[str, str]:
-    from stages.tasks import environment_code
+    from stages.registry import environment_code
 
     return environment_code(config)
 
 
 def _sft_task(config: RunConfig) -> dict[str, Any]:
     """The warm start's task mix (sft.task, else task.name) and the code of its environments."""
-    from stages.tasks import environments_code
+    from stages.registry import environments_code
 
     mix = config.sft_task_mix()
-    return {"mix": mix, "environment_code": environments_code([name for name, _ in mix])}
+    return {"mix": mix, "environment_code": environments_code(config, [name for name, _ in mix])}
 
 
 def _engine_version(config: RunConfig) -> str | None:
@@ -148,6 +148,7 @@ STAGES: dict[str, Stage] = {
             derived=("environment_code",),  # environments decide observations and termination
             code=("stages/execute_tools",),
             distributed=True,
+            rerun_from="generate-rollouts",
         ),
         Stage(
             name="assign-rewards",

@@ -42,11 +42,11 @@ from schemas.config import RunConfig
 from schemas.features import PPO_UPDATE, SFT, dataset_from_rows, token_counts
 from schemas.token_stream import chat_template_hash
 from stages import assign_rewards, compute_advantages, execute_tools, generate_rollouts, ppo_update, sft
-from stages.environments import ENVIRONMENTS
 from stages.generate_rollouts.engine import GenerationEngine, open_engine
 from stages.policy import load_tokenizer, parameter_count
 from stages.ppo_update.launch import train_with_torchrun
-from stages.tasks import load_plugins, task_turn_limits, turn_limit
+from stages.registry import environments
+from stages.tasks import load_plugins, turn_limit
 
 POLICY_CODE_VERSION = "1"  # the layout of a stored policy (a save_pretrained folder + optimiser state)
 # a stage run's config (ppo-update: store.fresh_optimizer_if_pruned resolved), parents (stage -> version), position
@@ -299,7 +299,7 @@ def execute_tools_task(
     turns = store.load("generate-rollouts", parents["generate-rollouts"])
     policy_version = store.manifest("generate-rollouts", parents["generate-rollouts"]).parents[POLICY]
     dataset = map_row_shards(execute_shard, turns, config.runner, str(store.policy_dir(policy_version)), config)
-    return dataset, {"turn": turns[0]["turn"] if len(turns) else None, **execute_tools.turn_summary(dataset)}
+    return dataset, {"turn": turns[0]["turn"] if len(turns) else None, **execute_tools.turn_summary(dataset, config)}
 
 
 @stage_task("assign-rewards")
@@ -308,8 +308,9 @@ def assign_rewards_task(
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
     load_plugins(config.task.plugins)  # a Ray worker has not imported them yet
     turns = lineage.load_turns(store, parents["execute-tools"])
-    dataset = assign_rewards.assign_rewards(turns, ENVIRONMENTS, config.reward)
-    return dataset, {"metrics": assign_rewards.rollout_metrics(dataset, task_turn_limits(config))}
+    tasks = environments(config)
+    dataset = assign_rewards.assign_rewards(turns, tasks, config.reward)
+    return dataset, {"metrics": assign_rewards.rollout_metrics(dataset, tasks, config.task.max_turns)}
 
 
 @stage_task("compute-advantages")
@@ -421,7 +422,7 @@ def sft_task(
         trained = sft.supervised_fine_tune(
             store.policy_dir(parents[POLICY]),
             config=config.sft,
-            task_mix=config.sft_task_mix(),
+            tasks=sft.demonstrators(config),
             seed=config.seed,
             enable_thinking=config.generation.enable_thinking,
             device=config.model.device,
@@ -448,6 +449,12 @@ def starting_policy(store: Store, config: RunConfig) -> str:
 # ---------------------------------------------------------------------------------------
 # The stages that run on one stored input, and how each finds its other inputs
 # ---------------------------------------------------------------------------------------
+
+
+def tool_inputs(config: RunConfig, store: Store, generated: str) -> Inputs:
+    """execute-tools reads one turn's generate-rollouts version (its rows hold the environments'
+    state so far: a stateful game is made again from it)."""
+    return config, {"generate-rollouts": generated}, {}
 
 
 def reward_inputs(config: RunConfig, store: Store, last_turn: str) -> Inputs:
@@ -504,6 +511,7 @@ def optimizer_start(config: RunConfig, store: Store, parents: dict[str, str], po
 
 # stage -> (its task, its inputs from the one stored input named by the stage table's rerun_from)
 ON_ONE_INPUT: dict[str, tuple[Any, Callable[[RunConfig, Store, str], Inputs]]] = {
+    "execute-tools": (execute_tools_task, tool_inputs),
     "assign-rewards": (assign_rewards_task, reward_inputs),
     "compute-advantages": (compute_advantages_task, advantage_inputs),
     "ppo-update": (ppo_update_task, update_inputs),

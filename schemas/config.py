@@ -83,6 +83,18 @@ class TaskConfig(Section):
     plugins: list[str] = Field(
         default_factory=list, description="Python modules imported first; they register tools and environments."
     )
+    options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Settings of an ecosystem task, by task name (docs/environments.md): a reasoning-gym "
+        "generator's options ({'reasoning-gym/chain_sum': {'min_terms': 2}}), a textarena game's arguments, an "
+        "OpenEnv environment's class or URL. Part of the versions of the stages they shape.",
+    )
+    tools: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="The tools offered to a task, by task name, replacing its environment's own (registered "
+        "tools, e.g. calculate and python, or tools of tools.mcp_servers): {'reasoning-gym/chain_sum': "
+        "['calculate']}; [] offers none.",
+    )
 
     @model_validator(mode="after")
     def _groups_divide_rollouts(self) -> TaskConfig:
@@ -185,6 +197,30 @@ class VLLMConfig(Section):
         return self
 
 
+class MCPServerConfig(Section):
+    """A Model Context Protocol tool server: its tools are offered as tools of that name."""
+
+    name: str = Field(description="A label for the server, used in messages and versions.")
+    command: list[str] | None = Field(
+        None,
+        description="A stdio server: the command and its arguments (e.g. ['python', 'server.py']). mtrl starts it, "
+        "one process per concurrent call, killed at a call's deadline and when mtrl exits.",
+    )
+    url: str | None = Field(None, description="A server you run, over streamable HTTP (e.g. http://host:8000/mcp).")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Environment variables of a stdio server, beside HOME, PATH, USER, ..."
+    )
+    start_timeout_s: float = Field(60.0, gt=0.0, description="Seconds a server may take to start and answer.")
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> MCPServerConfig:
+        if (self.command is None) == (self.url is None):
+            raise ValueError(f"MCP server '{self.name}': give exactly one of command (stdio) and url (HTTP)")
+        if self.command is not None and not self.command:
+            raise ValueError(f"MCP server '{self.name}': command is empty")
+        return self
+
+
 class ToolsConfig(Section):
     timeout_s: float = Field(5.0, gt=0.0, le=3600.0, description="Wall-clock limit per tool call, in seconds.")
     max_output_chars: int = Field(
@@ -197,6 +233,18 @@ class ToolsConfig(Section):
         "calls in threads: no kill, no memory limit.",
     )
     memory_mb: int = Field(512, ge=16, description="Memory a sandboxed tool call may add, in MB.")
+    mcp_servers: list[MCPServerConfig] = Field(
+        default_factory=list,
+        description="MCP tool servers started (command) or reached (url) at run start; their tools are offered to "
+        "the tasks that name them (an environment's tools, or task.tools).",
+    )
+
+    @model_validator(mode="after")
+    def _servers_have_distinct_names(self) -> ToolsConfig:
+        names = [server.name for server in self.mcp_servers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools.mcp_servers: two servers share a name ({names})")
+        return self
 
 
 class RewardConfig(Section):

@@ -70,24 +70,31 @@ def _flag_failed(turns: datasets.Dataset, failures: dict[int, str]) -> datasets.
     return turns.select_columns(columns)
 
 
-def rollout_metrics(turns: datasets.Dataset, turn_limits: dict[str, int]) -> dict[str, Any]:
+def rollout_metrics(
+    turns: datasets.Dataset, environments: dict[str, Environment], max_turns: int | None
+) -> dict[str, Any]:
     """Per-iteration rollout metrics (NeMo-RL's names where they exist), overall and per task.
+    A rollout succeeded when its environment says its reward is a success (Environment.solved).
 
     Turns to solve, two ways: `mean_turns_to_solve` averages the solved rollouts only (it can
     rise while a policy gets better, by solving harder cases too); `mean_turns_to_solve_or_limit`
-    counts an unsolved rollout as its task's turn limit (`turn_limits`), a censored mean that
-    falls only if rollouts solve more often or sooner. Failed rollouts count in neither."""
+    counts an unsolved rollout as its task's turn limit (task.max_turns, `max_turns`, or its
+    environment's own), a censored mean that falls only if rollouts solve more often or sooner.
+    Failed rollouts count in neither."""
     columns = turns.select_columns(["task", "stop_reason", "failed", "reward"]).to_dict()
     everything: list[dict[str, Any]] = []  # one summary per rollout
     for rollout in rollouts(turns):
         end = rollout.rows[-1]  # the last turn says how the rollout ended
+        task, failed, reward = columns["task"][end], columns["failed"][end], columns["reward"][end]
         everything.append(
             {
-                "task": columns["task"][end],
+                "task": task,
                 "turn": rollout.turns[-1],
                 "stop": columns["stop_reason"][end],
-                "failed": columns["failed"][end],
-                "reward": columns["reward"][end],
+                "failed": failed,
+                "reward": reward,
+                "solved": not failed and environments[task].solved(reward),
+                "limit": environments[task].turn_limit(max_turns),
                 "gen": sum(stop - start for start, stop in rollout.completion_spans),
                 "env": sum(stop - start for start, stop in rollout.observation_spans),
             }
@@ -95,24 +102,20 @@ def rollout_metrics(turns: datasets.Dataset, turn_limits: dict[str, int]) -> dic
 
     def summary(group: list[dict[str, Any]]) -> dict[str, Any]:
         n = max(1, len(group))
-        scored = [r["reward"] for r in group if not r["failed"]]
-        solved = [r["turn"] + 1 for r in group if r["stop"] == StopReason.DONE and not r["failed"] and r["reward"] > 0]
-        censored = [
-            r["turn"] + 1 if r["stop"] == StopReason.DONE and r["reward"] > 0 else turn_limits[r["task"]]
-            for r in group
-            if not r["failed"]
-        ]
+        scored = [r for r in group if not r["failed"]]
+        solved_at = [r["turn"] + 1 for r in scored if r["stop"] == StopReason.DONE and r["solved"]]
+        censored = [r["turn"] + 1 if r["stop"] == StopReason.DONE and r["solved"] else r["limit"] for r in scored]
         return {
             "rollouts": len(group),
-            "reward_mean": float(np.mean(scored)) if scored else None,
-            "success_rate": float(np.mean([r > 0 for r in scored])) if scored else None,
+            "reward_mean": float(np.mean([r["reward"] for r in scored])) if scored else None,
+            "success_rate": float(np.mean([r["solved"] for r in scored])) if scored else None,
             "natural_termination_rate": sum(r["stop"] == StopReason.DONE for r in group) / n,
             "truncation_rate": sum(r["stop"] in (StopReason.CONTEXT_OVERFLOW, StopReason.LENGTH) for r in group) / n,
             "max_turns_reached_rate": sum(r["stop"] == StopReason.MAX_TURNS for r in group) / n,
             "failed_rate": sum(bool(r["failed"]) for r in group) / n,
             "mean_turns": float(np.mean([r["turn"] + 1 for r in group])) if group else 0.0,
             "max_turns": max((r["turn"] + 1 for r in group), default=0),
-            "mean_turns_to_solve": float(np.mean(solved)) if solved else None,
+            "mean_turns_to_solve": float(np.mean(solved_at)) if solved_at else None,
             "mean_turns_to_solve_or_limit": float(np.mean(censored)) if censored else None,
             "mean_gen_tokens_per_rollout": sum(r["gen"] for r in group) / n,
             "mean_env_tokens_per_rollout": sum(r["env"] for r in group) / n,

@@ -7,7 +7,9 @@ An environment is a plain Python class registered in ENVIRONMENTS by name:
         -> EnvStep(observation, reward, done, stop, state)
     reward(task, final_turn) -> the outcome reward of a rollout that ended naturally
     demonstration(task) -> an expert conversation (used to warm-start the embedded model)
-Its tools are named in `tools` and registered in stages.execute_tools.TOOLS.
+Its tools are named in `tools` and registered in stages.tools.TOOLS (or served by an MCP server).
+Environments written for the ecosystem (reasoning-gym, textarena, OpenEnv) are adapted onto this
+contract by stages/ecosystem/.
 
 Three stages use it and none owns it: the flow samples tasks and renders `reset` (turn 0),
 execute-tools calls `step` (observation, termination), assign-rewards calls `reward`.
@@ -34,6 +36,8 @@ class EnvStep:
     done: bool = False  # natural end of the episode
     stop: list[str] | None = None  # stop strings for the next generation
     state: dict[str, Any] | None = None  # the state the next step receives (JSON); None keeps it
+    # an environment that runs_tool_calls: (content, None or a failure kind) of each call it was given
+    tool_results: list[tuple[str, str | None]] | None = None
 
 
 class Environment:
@@ -42,6 +46,16 @@ class Environment:
     name: ClassVar[str]
     tools: ClassVar[tuple[str, ...]] = ()
     max_turns: ClassVar[int] = 4  # assistant turns before a rollout is cut, unless task.max_turns says otherwise
+    # True: step() runs the turn's tool calls itself, inside its episode (an OpenEnv MCPEnvironment's
+    # tools act on the episode's state), and returns their results in EnvStep.tool_results; its
+    # tools are then described by `tool_schemas`, not looked up among the registered tools.
+    runs_tool_calls: ClassVar[bool] = False
+    tool_schemas: list[dict[str, Any]] = []
+
+    def identity(self) -> dict[str, Any]:
+        """What shapes this environment's behaviour besides its source file (hashed into the versions
+        of the stages it shapes, JSON): an adapter's package version and settings. {} for plain code."""
+        return {}
 
     def turn_limit(self, configured: int | None) -> int:
         """Assistant turns before a rollout is cut: task.max_turns when set, else this environment's own."""
@@ -72,6 +86,11 @@ class Environment:
     def reward(self, task: dict[str, Any], final_turn: dict[str, Any]) -> float:
         """Outcome reward; final_turn is the last row (content, tool_calls with results, turn)."""
         raise NotImplementedError
+
+    def solved(self, reward: float) -> bool:
+        """Did a rollout with this outcome reward succeed (the success rate's count)? Any positive
+        reward here; an environment that gives partial credit to failures says where success starts."""
+        return reward > 0
 
     def demonstration(self, task: dict[str, Any]) -> list[dict[str, Any]]:
         raise NotImplementedError

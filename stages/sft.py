@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from schemas.config import SFTConfig
+from schemas.config import RunConfig, SFTConfig
 from schemas.token_stream import assistant_token_ids, generation_prompt_ids, observation_token_ids, prompt_token_ids
-from stages.environments import ENVIRONMENTS, Environment
+from stages.environments import Environment
 from stages.policy import (
     LARGE_MODEL_PARAMETERS,
     RolloutSequence,
@@ -36,31 +36,43 @@ from stages.policy import (
     load_model,
     load_tokenizer,
 )
-from stages.tasks import tool_schemas
+from stages.registry import environment, registered_tools, tool_schemas
 
 LOGPROB_CHUNK_TOKENS = 1024  # tokens per chunk of the vocabulary projection: bounds memory, not the result
 Conversation = tuple[list[dict[str, Any]], list[dict[str, Any]]]  # (messages, tool schemas)
 
 
-def check_demonstrations(task_mix: list[tuple[str, float]]) -> None:
-    """Every environment of the warm start's mix is registered and can demonstrate its task."""
-    for name, _ in task_mix:
-        if name not in ENVIRONMENTS:
-            raise ValueError(f"sft: unknown task '{name}'; valid: {', '.join(sorted(ENVIRONMENTS))}")
-        if type(ENVIRONMENTS[name]).demonstration is Environment.demonstration:
+Demonstrator = tuple[Environment, list[dict[str, Any]], float]  # an environment, its prompts' tool schemas, a weight
+
+
+def demonstrators(config: RunConfig) -> list[Demonstrator]:
+    """The environments of the warm start's task mix (sft.task, else task.name), as the run sets
+    them up (task.options, task.tools), with the tool schemas their prompts show and their weights."""
+    tools = registered_tools(config)
+    mix = [(environment(config, name), weight) for name, weight in config.sft_task_mix()]
+    return [(found, tool_schemas(found, tools), weight) for found, weight in mix]
+
+
+def check_demonstrations(tasks: list[Demonstrator]) -> None:
+    """Every environment of the warm start's mix can demonstrate its task (one is made to see)."""
+    for demonstrator, _, _ in tasks:
+        if type(demonstrator).demonstration is Environment.demonstration:
             raise ValueError(
-                f"sft: environment '{name}' has no demonstration(task), so there is nothing to fine-tune on; "
-                "set sft.task to environments that have one, or sft.steps=0"
+                f"sft: environment '{demonstrator.name}' has no demonstration(task), so there is nothing to fine-tune "
+                "on; set sft.task to environments that have one, or sft.steps=0"
             )
+        try:
+            demonstrator.demonstration(demonstrator.sample_task(random.Random(0)))
+        except Exception as exc:  # e.g. a reasoning-gym generator without gold answers
+            raise ValueError(f"sft: environment '{demonstrator.name}' cannot demonstrate its task: {exc}") from None
 
 
-def sample_demonstrations(task_mix: list[tuple[str, float]], rng: random.Random, count: int) -> list[Conversation]:
+def sample_demonstrations(tasks: list[Demonstrator], rng: random.Random, count: int) -> list[Conversation]:
     """`count` demonstrations of freshly sampled tasks, each environment drawn by its weight."""
-    names, weights = zip(*task_mix)
     conversations = []
     for _ in range(count):
-        environment = ENVIRONMENTS[rng.choices(names, weights)[0]]
-        conversations.append((environment.demonstration(environment.sample_task(rng)), tool_schemas(environment)))
+        demonstrator, schemas, _ = rng.choices(tasks, [weight for _, _, weight in tasks])[0]
+        conversations.append((demonstrator.demonstration(demonstrator.sample_task(rng)), schemas))
     return conversations
 
 
@@ -96,7 +108,7 @@ def train_on_demonstrations(
     tokenizer: Any,
     *,
     config: SFTConfig,
-    task_mix: list[tuple[str, float]],
+    tasks: list[Demonstrator],
     seed: int,
     enable_thinking: bool,
     report_progress: Callable[[float], None] | None = None,
@@ -118,7 +130,7 @@ def train_on_demonstrations(
         optimizer.param_groups[0]["lr"] = learning_rate
         sequences = [
             demonstration_sequence(tokenizer, messages, tools, enable_thinking)
-            for messages, tools in sample_demonstrations(task_mix, rng, config.batch_size)
+            for messages, tools in sample_demonstrations(tasks, rng, config.batch_size)
         ]
         batch = collate(sequences, tokenizer.pad_token_id, device)
         logprobs, _, _ = forward_targets(model, batch, 1.0, LOGPROB_CHUNK_TOKENS)
@@ -174,14 +186,14 @@ def supervised_fine_tune(
     policy_dir: str | Path,
     *,
     config: SFTConfig,
-    task_mix: list[tuple[str, float]],
+    tasks: list[Demonstrator],
     seed: int,
     enable_thinking: bool,
     device: str,
     report_progress: Callable[[float], None] | None = None,
 ) -> FineTunedPolicy:
-    """sft: load the policy (float32), train it on demonstrations of `task_mix`, and return it
-    ready to save as a new policy."""
+    """sft: load the policy (float32), train it on demonstrations of `tasks` (demonstrators), and
+    return it ready to save as a new policy."""
     model, tokenizer = load_model(policy_dir, "float32", device), load_tokenizer(str(policy_dir))
     if config.gradient_checkpointing is None:  # null: by the model's size, as ppo-update chooses
         large = sum(p.numel() for p in model.parameters()) >= LARGE_MODEL_PARAMETERS
@@ -190,7 +202,7 @@ def supervised_fine_tune(
         model,
         tokenizer,
         config=config,
-        task_mix=task_mix,
+        tasks=tasks,
         seed=seed,
         enable_thinking=enable_thinking,
         report_progress=report_progress,

@@ -1,22 +1,20 @@
-"""The iteration's tasks: user plugins, the task mix, turn limits, the first messages of each
-rollout (which generate-rollouts renders at turn 0) and the code versions of the environments
-and tools in use."""
+"""The iteration's tasks: user plugins, the checks of the tasks a run uses, turn limits and the
+first messages of each rollout (which generate-rollouts renders at turn 0). What a task name and a
+tool name mean is stages/registry.py."""
 
 from __future__ import annotations
 
 import importlib
-import inspect
 import json
 import os
 import random
 import sys
 from typing import Any
 
-from runtime.hashing import source_version
 from schemas.config import RunConfig
 from schemas.token_stream import prompt_token_ids
-from stages.environments import ENVIRONMENTS
-from stages.tools import NOT_SANDBOXABLE, TOOLS, importable_by_name, tool_schema
+from stages.registry import environment, registered_tools, task_names, tool_schemas
+from stages.tools import NOT_SANDBOXABLE, RemoteTool, importable_by_name, tool_schema
 
 
 def load_plugins(modules: list[str]) -> None:
@@ -28,31 +26,9 @@ def load_plugins(modules: list[str]) -> None:
         importlib.import_module(module)
 
 
-def environment_code(config: RunConfig) -> dict[str, str]:
-    """Code version of each environment of the task mix and of its tools: a hash of the source
-    files that define them, so editing a reward function or a tool gives new versions."""
-    return environments_code([name for name, _ in config.task.mix()])
-
-
-def environments_code(names: list[str]) -> dict[str, str]:
-    """environment_code of these environments (e.g. the warm start's mix, sft.task)."""
-    versions = {}
-    for name in names:
-        environment = ENVIRONMENTS[name]
-        files = {inspect.getsourcefile(type(environment))}
-        files |= {inspect.getsourcefile(TOOLS[tool]) for tool in environment.tools}
-        versions[name] = source_version(*sorted(files))
-    return versions
-
-
-def tool_schemas(environment: Any) -> list[dict[str, Any]]:
-    """The JSON schemas of an environment's tools, as its prompts show them to the model."""
-    return [tool_schema(TOOLS[tool]) for tool in environment.tools]
-
-
 def task_turn_limits(config: RunConfig) -> dict[str, int]:
     """Each task's turn limit: task.max_turns, or its environment's own."""
-    return {name: ENVIRONMENTS[name].turn_limit(config.task.max_turns) for name, _ in config.task.mix()}
+    return {name: environment(config, name).turn_limit(config.task.max_turns) for name, _ in config.task.mix()}
 
 
 def turn_limit(config: RunConfig) -> int:
@@ -62,29 +38,39 @@ def turn_limit(config: RunConfig) -> int:
 
 
 def check_environments(config: RunConfig) -> None:
-    """Every task of the mix is registered, has tools, and its tools are registered, have a JSON
-    schema (a typed signature and a docstring with an Args section) and, with tools.sandbox,
-    can be imported by a sandbox worker: checked before any work."""
-    for name, _ in config.task.mix():
-        if name not in ENVIRONMENTS:
-            raise ValueError(f"unknown task '{name}'; valid: {', '.join(sorted(ENVIRONMENTS))}")
-        environment = ENVIRONMENTS[name]
-        if not environment.tools:
-            raise ValueError(f"environment '{name}' lists no tools; a tool-using task needs at least one")
-        missing = [tool for tool in environment.tools if tool not in TOOLS]
+    """Every task the run uses is registered or adapted and starts a task; its tools are
+    registered, have a JSON schema (a typed signature and a docstring with an Args section) and,
+    with tools.sandbox, can be imported by a sandbox worker; task.options and task.tools name
+    tasks of the run: checked before any work."""
+    names = task_names(config)
+    for setting in ("options", "tools"):
+        strangers = sorted(set(getattr(config.task, setting)) - set(names))
+        if strangers:
+            raise ValueError(f"task.{setting} names {strangers}, which the run does not use (tasks: {names})")
+    tools = registered_tools(config)
+    for name in names:
+        found = environment(config, name)
+        try:  # a game that needs a download, a bad generator option, an environment server that is down
+            json.dumps(found.reset(found.sample_task(random.Random(0))))
+        except Exception as exc:
+            raise ValueError(f"environment '{name}' failed to start a task: {exc.__class__.__name__}: {exc}") from None
+        if found.runs_tool_calls:
+            continue  # its tools run inside its episodes (an OpenEnv MCPEnvironment's)
+        missing = [tool for tool in found.tools if tool not in tools]
         if missing:
             raise ValueError(
-                f"environment '{name}' uses unregistered tool(s) {missing}; registered: {', '.join(TOOLS)}"
+                f"environment '{name}' uses unregistered tool(s) {missing}; registered: {', '.join(tools)}"
             )
-        for tool in environment.tools:
+        for tool in found.tools:
             try:
-                tool_schema(TOOLS[tool])
+                tool_schema(tools[tool])
             except Exception as exc:  # transformers' DocstringParsingException, TypeHintParsingException
                 raise ValueError(
                     f"tool '{tool}' of environment '{name}' has no usable JSON schema: {exc} "
                     "(it needs type hints and a Google-style docstring with an Args section)"
                 ) from None
-            if config.tools.sandbox and not importable_by_name(TOOLS[tool]):
+            remote = isinstance(tools[tool], RemoteTool)
+            if config.tools.sandbox and not remote and not importable_by_name(tools[tool]):
                 raise ValueError(f"tool '{tool}' of environment '{name}' {NOT_SANDBOXABLE}")
 
 
@@ -92,16 +78,19 @@ def check_tools_reach_the_model(tokenizer: Any, config: RunConfig, model: str) -
     """Every task's tools are in the prompt the model sees. A chat template without a tools
     section (SmolLM2's, for one) renders the same tokens with and without them: the model would
     never be told its tools exist, and RL would train on regardless."""
-    for name, _ in config.task.mix():
-        environment = ENVIRONMENTS[name]
-        messages = environment.reset(environment.sample_task(random.Random(0)))
-        tools = tool_schemas(environment)
+    tools = registered_tools(config)
+    for name in task_names(config):
+        found = environment(config, name)
+        schemas = tool_schemas(found, tools)
+        if not schemas:
+            continue  # a task without tools (a text game) has none to show
+        messages = found.reset(found.sample_task(random.Random(0)))
         thinking = config.generation.enable_thinking
-        prompt = prompt_token_ids(tokenizer, messages, tools, thinking)
+        prompt = prompt_token_ids(tokenizer, messages, schemas, thinking)
         if prompt == prompt_token_ids(tokenizer, messages, None, thinking):
             raise ValueError(
                 f"{model}: its chat template renders the same {len(prompt)} tokens with and without the tools of "
-                f"task '{name}' ({', '.join(environment.tools)}), so the model would never be told they exist. Set "
+                f"task '{name}' ({', '.join(found.tools)}), so the model would never be told they exist. Set "
                 "model.chat_template to a template that renders tools: hermes (the Hermes tool-calling template mtrl "
                 "ships, for ChatML models such as SmolLM2 and Qwen) or a Jinja file"
             )
@@ -112,13 +101,14 @@ def rollout_starts(config: RunConfig, iteration: int) -> list[dict[str, Any]]:
     (split by the task mix) sampled group_size times. A group never mixes tasks."""
     check_environments(config)
     rng = random.Random(f"tasks/{config.seed}/{iteration}")
+    tools = registered_tools(config)
     starts = []
     for group_id, name in enumerate(config.task.groups_per_task()):
-        environment = ENVIRONMENTS[name]
-        tools = tool_schemas(environment)
+        found = environment(config, name)
+        schemas = tool_schemas(found, tools)
         try:
-            task = environment.sample_task(rng)
-            messages = environment.reset(task)
+            task = found.sample_task(rng)
+            messages = found.reset(task)
             json.dumps(task)
         except Exception as exc:
             raise ValueError(f"environment '{name}' failed to start a task: {exc.__class__.__name__}: {exc}") from exc
@@ -127,11 +117,11 @@ def rollout_starts(config: RunConfig, iteration: int) -> list[dict[str, Any]]:
                 {
                     "rollout_id": len(starts),
                     "group_id": group_id,
-                    "task": environment.name,
-                    "task_id": f"{environment.name}-{iteration}-{group_id}",
+                    "task": name,
+                    "task_id": f"{name}-{iteration}-{group_id}",
                     "task_payload": json.dumps(task, sort_keys=True),
                     "messages": messages,
-                    "tools": tools,
+                    "tools": schemas,
                 }
             )
     return starts

@@ -9,6 +9,7 @@ prompt (stages/tasks.py); execute-tools runs the calls (stages/execute_tools/).
 Tools run in a separate, killable worker process by default (stages/execute_tools/calls.py),
 which loads a tool's module from its file: keep tool modules light (this one imports only the
 standard library at import time) and tools module-level functions; results are converted with str().
+A RemoteTool (an MCP server's) runs in its server instead.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import operator
 import sys
 from collections.abc import Callable
 from typing import Any
+
+from stages.python_tool import python
 
 INJECTED_PARAMETERS = ("task",)  # filled in by execute-tools, never by the model
 
@@ -127,7 +130,37 @@ def guess(number: int, task: dict) -> str:
     return "correct"
 
 
-TOOLS: dict[str, Callable[..., Any]] = {"calculate": calculate, "get_weather": get_weather, "guess": guess}
+TOOLS: dict[str, Callable[..., Any]] = {
+    "calculate": calculate,
+    "get_weather": get_weather,
+    "guess": guess,
+    "python": python,  # stages/python_tool.py: the program runs in a limited child process
+}
+
+
+# ----------------------------------------------------------------------------- tools served by another process
+
+
+def truncate(text: str, max_chars: int) -> str:
+    """`text` cut to `max_chars` (tools.max_output_chars), the cut marked for the model."""
+    if len(text) <= max_chars:
+        return text
+    return text[:max_chars] + f"... [truncated {len(text) - max_chars} characters]"
+
+
+class RemoteTool:
+    """A tool that runs in a server, not as a Python function of ours: an MCP server's tool
+    (stages/ecosystem/mcp.py). It brings its JSON schema, what identifies it (hashed into the
+    versions of the stages it shapes, as a function's source file is), and its own transport,
+    with the same guarantees as a sandboxed call: a deadline, an output cap, errors as results."""
+
+    schema: dict[str, Any]  # OpenAI's function format, as tool_schema returns
+    identity: dict[str, Any]  # JSON: what a version must change with (server, version, schema, client code)
+    start_timeout_s: float  # a call may first wait this long for its server to be ready
+
+    def call(self, arguments: dict[str, Any], timeout_s: float, max_chars: int) -> tuple[str, str | None]:
+        """(content for the model, None or a failure kind of FAILURE_KINDS); never raises."""
+        raise NotImplementedError
 
 
 # ----------------------------------------------------------------------------- what mtrl reads of a tool
@@ -136,7 +169,10 @@ TOOLS: dict[str, Callable[..., Any]] = {"calculate": calculate, "get_weather": g
 @functools.cache
 def tool_schema(tool: Callable[..., Any]) -> dict[str, Any]:
     """The JSON schema the chat template shows the model (OpenAI's function format), from the
-    signature and docstring; injected parameters and transformers' "return" entry are left out."""
+    signature and docstring; injected parameters and transformers' "return" entry are left out.
+    A RemoteTool brings its own."""
+    if isinstance(tool, RemoteTool):
+        return tool.schema
     from transformers.utils import get_json_schema  # heavy: not imported by sandbox workers
 
     schema = get_json_schema(tool)

@@ -7,6 +7,8 @@ import pytest
 
 from pipeline.audit import audit
 from pipeline.store import Store, StoreError
+from schemas.config import RunConfig
+from stages.registry import environments, registered_tools
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
@@ -31,7 +33,17 @@ def run(tmp_path_factory):
 
 def check(run, turns):
     store, _, tokenizer, _ = run
-    return audit(turns, store, tokenizer, enable_thinking=True, rescore_fraction=1.0, rescore_tolerance=1e-3)
+    config = RunConfig()  # the calculator task, as the run's
+    return audit(
+        turns,
+        store,
+        tokenizer,
+        enable_thinking=True,
+        environments=environments(config),
+        tools=registered_tools(config),
+        rescore_fraction=1.0,
+        rescore_tolerance=1e-3,
+    )
 
 
 def with_row(turns, index, **changes):

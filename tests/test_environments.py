@@ -18,7 +18,8 @@ from stages.environments import ENVIRONMENTS, CalculatorEnv, GuessNumberEnv, Wea
 from stages.execute_tools.calls import ToolCall, run_tool_calls
 from stages.generate_rollouts.hf import HFEngine
 from stages.policy import eos_token_ids
-from stages.tasks import rollout_starts, task_turn_limits
+from stages.registry import environments
+from stages.tasks import rollout_starts
 from stages.tools import TOOLS, tool_schema
 
 
@@ -165,7 +166,7 @@ def test_per_turn_rewards_stop_strings_and_a_raising_environment(tiny):
     broken = [row for row in turns if row["task"] == "broken" and row["finish_reason"] == "stop"]
     assert broken and all(row["failed"] and "environment bug" in row["failure"] for row in broken)
     assert all(math.isnan(row["reward"]) for row in broken)
-    metrics = rollout_metrics(turns, task_turn_limits(config))
+    metrics = rollout_metrics(turns, environments(config), config.task.max_turns)
     assert metrics["per_task"]["broken"]["failed_rate"] == len(broken) / 4
     assert metrics["per_task"]["shaped-calculator"]["failed_rate"] == 0.0
 
@@ -180,7 +181,8 @@ def test_the_prompt_lists_the_environments_tools(tiny):
 
 
 def test_a_plugin_registers_a_tool_and_an_environment(tiny):
-    from stages.tasks import environment_code, load_plugins
+    from stages.registry import environment_code
+    from stages.tasks import load_plugins
 
     load_plugins(["plugin_countdown"])
     try:
@@ -206,6 +208,13 @@ class NoToolsEnv(CalculatorEnv):
     name, tools = "no-tools", ()
 
 
+def test_a_task_without_tools_is_answered_in_one_turn(monkeypatch):
+    """A tool-less environment (a question to answer, a text game) shows the model no tools."""
+    monkeypatch.setitem(ENVIRONMENTS, NoToolsEnv.name, NoToolsEnv())
+    starts = rollout_starts(RunConfig(task={"name": NoToolsEnv.name, "rollouts": 2, "group_size": 2}), iteration=0)
+    assert [start["tools"] for start in starts] == [[], []]
+
+
 class UnknownToolEnv(CalculatorEnv):
     name, tools = "unknown-tool", ("teleport",)
 
@@ -228,7 +237,6 @@ class FailingStartEnv(CalculatorEnv):
 @pytest.mark.parametrize(
     ("env", "message"),
     [
-        (NoToolsEnv(), "environment 'no-tools' lists no tools"),
         (UnknownToolEnv(), "environment 'unknown-tool' uses unregistered tool(s) ['teleport']"),
         (FailingStartEnv(), "environment 'failing-start' failed to start a task: KeyError"),
         (UndocumentedToolEnv(), "tool 'undocumented' of environment 'undocumented-tool' has no usable JSON schema"),
@@ -294,7 +302,7 @@ def test_turns_to_solve_averages_solved_rollouts_and_censors_unsolved_ones_at_th
         + rows(3, 4, None, math.nan, True),
         ASSIGN_REWARDS,
     )
-    metrics = rollout_metrics(data, {"guess-number": 50})
+    metrics = rollout_metrics(data, ENVIRONMENTS, max_turns=None)  # guess-number's own limit, 50
     assert metrics["mean_turns_to_solve"] == 5.0
     assert metrics["mean_turns_to_solve_or_limit"] == 20.0
     assert metrics["success_rate"] == pytest.approx(2 / 3) and metrics["failed_rate"] == 0.25

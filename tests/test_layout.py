@@ -107,16 +107,18 @@ def test_stages_never_import_each_other():
 
 # Per stage: files its version must hash, and files it must not (they do not shape its output).
 MUST = {
-    "generate-rollouts": {"stages/tasks.py", "stages/tools.py", "stages/environments.py", "stages/policy.py",
+    "generate-rollouts": {"stages/tasks.py", "stages/registry.py", "stages/tools.py", "stages/environments.py",
+                          "stages/policy.py",
                           "stages/generate_rollouts/hf.py", "stages/generate_rollouts/vllm_server.py",
                           "stages/generate_rollouts/vllm_extension/mtrl_vllm_extension.py"},
-    "execute-tools": {"stages/execute_tools/calls.py", "stages/tools.py", "stages/environments.py"},
+    "execute-tools": {"stages/execute_tools/calls.py", "stages/registry.py", "stages/tools.py",
+                      "stages/environments.py", "stages/python_tool.py"},
     "assign-rewards": {"stages/assign_rewards.py", "stages/environments.py"},
     "compute-advantages": {"stages/compute_advantages.py", "stages/policy.py"},
     "ppo-update": {"stages/ppo_update/__init__.py", "stages/ppo_update/worker.py", "stages/ppo_update/checkpoint.py",
                    "stages/policy.py", "stages/sharding.py"},
     # demonstrations are rendered as the rollouts' token streams and scored as PPO scores
-    "sft": {"stages/sft.py", "stages/environments.py", "stages/tasks.py", "stages/policy.py",
+    "sft": {"stages/sft.py", "stages/environments.py", "stages/registry.py", "stages/policy.py",
             "schemas/token_stream.py"},
 }  # fmt: skip
 MUST_NOT = {

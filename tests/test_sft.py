@@ -15,16 +15,26 @@ from schemas.config import RunConfig, SFTConfig
 from schemas.token_stream import rollouts
 from stages.environments import ENVIRONMENTS, CalculatorEnv, Environment
 from stages.policy import collate, forward_targets, load_model, load_tokenizer
-from stages.sft import check_demonstrations, demonstration_sequence, sample_demonstrations, train_on_demonstrations
-from stages.tasks import tool_schemas
+from stages.registry import tool_schemas
+from stages.sft import (
+    check_demonstrations,
+    demonstration_sequence,
+    demonstrators,
+    sample_demonstrations,
+    train_on_demonstrations,
+)
+from stages.tools import TOOLS
 
-CALCULATOR = [("calculator", 1.0)]
+
+def tasks(name: str) -> list:
+    """The warm start's environments of a task mix, as a run with it sets them up."""
+    return demonstrators(RunConfig(task={"name": name}))
 
 
 def calculator_demonstration() -> tuple[list[dict], list[dict], dict]:
     environment = ENVIRONMENTS["calculator"]
     task = {"question": "What is 12+30-5?", "expression": "12+30-5", "answer": 37}
-    return environment.demonstration(task), tool_schemas(environment), task
+    return environment.demonstration(task), tool_schemas(environment, TOOLS), task
 
 
 def test_the_loss_covers_exactly_the_assistant_turns_of_a_demonstration(tiny):
@@ -60,7 +70,7 @@ def test_a_demonstration_is_the_stream_its_chat_template_renders(tiny, task):
     of its whole conversation; so must a demonstration's, token for token, less the newline the
     template puts after the last EOS (a rollout ends at its EOS)."""
     _, tokenizer = tiny
-    ((messages, tools),) = sample_demonstrations([(task, 1.0)], random.Random(3), 1)
+    ((messages, tools),) = sample_demonstrations(tasks(task), random.Random(3), 1)
     sequence = demonstration_sequence(tokenizer, messages, tools, enable_thinking=True)
     rendered = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
     assert sequence.token_ids == tokenizer.encode(rendered.removesuffix("\n"), add_special_tokens=False)
@@ -90,7 +100,7 @@ def test_greedy_rollouts_of_the_calculator_expert_are_its_demonstrations_token_f
             continue
         environment = ENVIRONMENTS["calculator"]
         messages = environment.demonstration(payloads[rollout.rollout_id])
-        sequence = demonstration_sequence(tokenizer, messages, tool_schemas(environment), enable_thinking=True)
+        sequence = demonstration_sequence(tokenizer, messages, tool_schemas(environment, TOOLS), enable_thinking=True)
         assert rollout.token_ids == sequence.token_ids, rollout.rollout_id
         sampled = [p for start, end in rollout.completion_spans for p in range(start, end)]
         assert sampled == sequence.target_positions
@@ -98,7 +108,7 @@ def test_greedy_rollouts_of_the_calculator_expert_are_its_demonstrations_token_f
 
 def held_out_loss(model: torch.nn.Module, tokenizer, seed: int) -> float:
     """Mean negative log-likelihood of the assistant tokens of 8 fixed demonstrations."""
-    conversations = sample_demonstrations(CALCULATOR, random.Random(f"held-out/{seed}"), 8)
+    conversations = sample_demonstrations(tasks("calculator"), random.Random(f"held-out/{seed}"), 8)
     sequences = [demonstration_sequence(tokenizer, m, t, enable_thinking=True) for m, t in conversations]
     with torch.no_grad():
         logprobs, _, _ = forward_targets(
@@ -116,7 +126,7 @@ def test_sft_lowers_the_loss_on_demonstrations_it_did_not_see_and_moves_every_la
     loss_before = held_out_loss(model, tokenizer, seed=0)
     config = SFTConfig(steps=6, batch_size=4, learning_rate=1e-4, warmup_steps=1)
     metrics = train_on_demonstrations(
-        model, tokenizer, config=config, task_mix=CALCULATOR, seed=0, enable_thinking=True
+        model, tokenizer, config=config, tasks=tasks("calculator"), seed=0, enable_thinking=True
     )
     assert [row["step"] for row in metrics] == list(range(6))
     assert metrics[0]["learning_rate"] == pytest.approx(5e-5) and metrics[1]["learning_rate"] == pytest.approx(1e-4)
@@ -156,7 +166,7 @@ def test_mtrl_sft_without_steps_or_with_an_unknown_task_is_one_line(tmp_path, ca
     assert main(["sft", "--runs-dir", runs]) == 2
     assert "give --sft-steps N" in capsys.readouterr().err
     assert main(["sft", "--runs-dir", runs, "--sft-steps", "2", "--set", "sft.task=calculator:2,nope"]) == 2
-    assert "sft: unknown task 'nope'; valid: calculator, guess-number, weather" in capsys.readouterr().err
+    assert "unknown task 'nope'; valid: calculator, guess-number, weather" in capsys.readouterr().err
     assert not (tmp_path / "runs" / "sft").exists()
 
 
@@ -168,10 +178,10 @@ def test_a_task_without_demonstrations_cannot_warm_start():
     ENVIRONMENTS[WithoutDemonstrationEnv.name] = WithoutDemonstrationEnv()
     try:
         with pytest.raises(ValueError, match="environment 'without-demonstration' has no demonstration"):
-            check_demonstrations([("calculator", 1.0), ("without-demonstration", 1.0)])
+            check_demonstrations(tasks("calculator,without-demonstration"))
     finally:
         del ENVIRONMENTS[WithoutDemonstrationEnv.name]
-    check_demonstrations([("calculator", 1.0), ("guess-number", 1.0), ("weather", 1.0)])
+    check_demonstrations(tasks("calculator,guess-number,weather"))
 
 
 @pytest.mark.usefixtures("prefect_server")

@@ -296,3 +296,40 @@ def test_run_tool_calls_never_raises_and_flags_every_failure(calls):
             assert result.error == "unknown_tool"
         if result.error is None:
             assert not result.content.startswith("Error")
+
+
+def program_processes() -> list[int]:
+    """Processes running a python tool program (stages/python_tool.py as a script)."""
+    from pathlib import Path
+
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if b"python_tool.py" in cmdline.read_bytes():
+                found.append(int(cmdline.parent.name))
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+def test_the_python_tool_runs_a_program_in_a_limited_process_and_returns_what_it_printed():
+    programs = {
+        "print(sum(range(1, 11)))": ("55", None),
+        "import os\nprint('HOME' in os.environ, 'PYTHONPATH' in os.environ)": ("False False", None),  # not ours
+        "raise ValueError('bad input')": ("ValueError: bad input\n(exit status 1)", None),
+        "x = bytearray(2 * 1024**3)": ("MemoryError\n(exit status 1)", None),
+        "pass": ("(no output)", None),
+    }
+    calls = [ToolCall("python", {"code": code}, None, f"call_{i}") for i, code in enumerate(programs)]
+    results = run_tool_calls(calls, TOOLS, timeout_s=60)
+    for result, (code, (ending, error)) in zip(results, programs.items()):
+        assert result.content.endswith(ending) and result.error == error, (code, result)
+
+
+def test_a_python_program_that_never_ends_is_killed_at_the_tool_deadline():
+    (result,) = run_tool_calls([ToolCall("python", {"code": "while True:\n    pass"})], TOOLS, timeout_s=3)
+    assert result.error == "timeout"
+    deadline = time.monotonic() + 10
+    while program_processes() and time.monotonic() < deadline:  # its worker was killed: the program dies with it
+        time.sleep(0.1)
+    assert not program_processes()

@@ -30,8 +30,8 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFas
 
 from pipeline.models import SHIPPED_TEMPLATES
 from stages.environments import ENVIRONMENTS, CalculatorEnv
-from stages.tasks import tool_schemas
-from stages.tools import calculate
+from stages.registry import tool_schemas
+from stages.tools import TOOLS, calculate
 
 HERE = Path(__file__).resolve().parent
 TOKENIZER_DIR = HERE / "tokenizer"
@@ -72,7 +72,7 @@ def build_tokenizer(out_dir: Path = TOKENIZER_DIR, seed: int = 0) -> PreTrainedT
 
     env, rng = CalculatorEnv(), random.Random(seed)
     conversations = [env.demonstration(env.sample_task(rng)) for _ in range(3000)]
-    corpus, _ = render_jinja_template(conversations, tools=tool_schemas(env), chat_template=chat_template())
+    corpus, _ = render_jinja_template(conversations, tools=tool_schemas(env, TOOLS), chat_template=chat_template())
     corpus += list(ENGLISH) * 50
 
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
@@ -170,7 +170,7 @@ def evaluate(
     from stages.assign_rewards import rollout_metrics
     from stages.generate_rollouts.hf import HFEngine
     from stages.policy import eos_token_ids
-    from stages.tasks import task_turn_limits
+    from stages.registry import environments
 
     engine = HFEngine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode)
     results: dict[str, float] = {}
@@ -182,7 +182,7 @@ def evaluate(
             generation={"temperature": temperature},
         )
         turns = run_episodes(engine, tokenizer, config)
-        metrics = rollout_metrics(turns, task_turn_limits(config))
+        metrics = rollout_metrics(turns, environments(config), config.task.max_turns)
         prefix = "" if task == "calculator" else f"{task}/"
         results[f"{prefix}success_rate"] = metrics["success_rate"]
         if task == "calculator":
@@ -278,7 +278,7 @@ def build_expert(seed: int, steps: int, out_dir: Path) -> None:
     )
     model = Qwen3ForCausalLM(config)
     env = CalculatorEnv()
-    tools = tool_schemas(env)
+    tools = tool_schemas(env, TOOLS)
     log: list[dict[str, Any]] = []
     train(
         model,
@@ -308,7 +308,7 @@ def build_policy(seed: int, steps: int, flawed_fraction: float, in_dir: Path, ou
     tokenizer = AutoTokenizer.from_pretrained(in_dir)
     model = Qwen3ForCausalLM.from_pretrained(in_dir, dtype=torch.float32)
     environments = {name: ENVIRONMENTS[name] for name in ALL_TASKS}
-    tools = {name: tool_schemas(env) for name, env in environments.items()}
+    tools = {name: tool_schemas(env, TOOLS) for name, env in environments.items()}
 
     def conversation(rng: random.Random) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         name = rng.choices([n for n, _ in TASK_MIX], weights=[w for _, w in TASK_MIX])[0]

@@ -21,9 +21,16 @@ import datasets
 from schemas.config import GenerationConfig, RunConfig, TaskConfig, ToolsConfig
 from schemas.features import EXECUTE_TOOLS, FinishReason, StopReason, dataset_from_rows
 from schemas.token_stream import generation_prompt_ids, observation_token_ids
-from stages.environments import ENVIRONMENTS
-from stages.execute_tools.calls import FAILURE_KINDS, parse_tool_calls, run_tool_calls
-from stages.tools import TOOLS
+from stages.execute_tools.calls import (
+    FAILURE_KINDS,
+    ToolCall,
+    ToolResult,
+    parse_tool_calls,
+    rejected_call,
+    run_tool_calls,
+)
+from stages.registry import environments, registered_tools
+from stages.tools import truncate
 
 # ---------------------------------------------------------------------------------------
 # The stage
@@ -62,43 +69,44 @@ def _step_turn(
         return {**out, "truncated": True, "stop_reason": StopReason.CONTEXT_OVERFLOW if full else StopReason.LENGTH}
     task = json.loads(row["task_payload"])
     calls = parse_tool_calls(row["content"])
-    own_tools = {name: tools[name] for name in environment.tools}  # an agent only has its task's tools
-    results = run_tool_calls(
-        calls,
-        own_tools,
-        tools_config.timeout_s,
-        tools_config.max_output_chars,
-        task=task,
-        sandbox=tools_config.sandbox,
-        memory_mb=tools_config.memory_mb,
-    )
-    out["tool_calls"] = [
-        {
-            "id": call.id,
-            "name": call.name,
-            "arguments": json.dumps(call.arguments),
-            "parse_error": call.error,
-            "result": result.content,
-            "failure_kind": result.error,
-        }
-        for call, result in zip(calls, results)
-    ]
-    crashed = [result.content for result in results if result.error == "crashed"]
-    if crashed:  # the tool's process died: an infrastructure failure, not the agent's
-        return {**out, "failed": True, "failure": crashed[0][:1000], "stop_reason": StopReason.FAILED}
+    if environment.runs_tool_calls:  # its tools act on its episode: step() runs the calls that are well formed
+        schemas = {schema["function"]["name"]: schema for schema in environment.tool_schemas}
+        results = [rejected_call(call, schemas) for call in calls]
+    else:
+        own_tools = {name: tools[name] for name in environment.tools}  # an agent only has its task's tools
+        results = run_tool_calls(
+            calls,
+            own_tools,
+            tools_config.timeout_s,
+            tools_config.max_output_chars,
+            task=task,
+            sandbox=tools_config.sandbox,
+            memory_mb=tools_config.memory_mb,
+        )
+    failure = None
     try:
+        given = calls
+        if environment.runs_tool_calls:  # it runs the well-formed calls itself
+            given = [call for call, result in zip(calls, results) if result is None]
         step = environment.step(
             task,
             row["turn"],
             row["content"],
-            [{"name": c.name, "arguments": c.arguments} for c in calls],
-            [r.content for r in results],
+            [{"name": c.name, "arguments": c.arguments} for c in given],
+            None if environment.runs_tool_calls else [r.content for r in results],
             json.loads(row["env_state"]),
         )
+        if environment.runs_tool_calls:
+            results = episode_results(calls, results, step.tool_results, tools_config.max_output_chars)
         next_env_state = row["env_state"] if step.state is None else json.dumps(step.state, sort_keys=True)
         observation = observation_token_ids(tokenizer, step.observation) if not step.done else []
     except Exception as exc:  # an environment bug fails this rollout, visibly, not the run
         failure = f"environment '{row['task']}' raised {exc.__class__.__name__}: {exc}"
+    out["tool_calls"] = tool_call_rows(calls, results)
+    crashed = [result.content for result in results if result is not None and result.error == "crashed"]
+    if crashed:  # the tool's process died: an infrastructure failure, not the agent's
+        failure = crashed[0]
+    if failure is not None:
         return {**out, "failed": True, "failure": failure[:1000], "stop_reason": StopReason.FAILED}
     out.update(turn_reward=float(step.reward), next_env_state=next_env_state)
     if step.done:
@@ -115,6 +123,42 @@ def _step_turn(
     out["observation"] = tokenizer.decode(observation)
     out["next_stop"] = list(step.stop or [])
     return out
+
+
+def tool_call_rows(calls: list[ToolCall], results: list[ToolResult | None]) -> list[dict[str, Any]]:
+    """The `tool_calls` column of a turn: each call with its result (none for calls an environment
+    was to run when it failed first)."""
+    return [
+        {
+            "id": call.id,
+            "name": call.name,
+            "arguments": json.dumps(call.arguments),
+            "parse_error": call.error,
+            "result": None if result is None else result.content,
+            "failure_kind": None if result is None else result.error,
+        }
+        for call, result in zip(calls, results)
+    ]
+
+
+def episode_results(
+    calls: list[ToolCall],
+    rejected: list[ToolResult | None],
+    ran: list[tuple[str, str | None]] | None,
+    max_chars: int,
+) -> list[ToolResult]:
+    """Every call's result when the environment ran the accepted ones (`ran`, in their order)."""
+    accepted = sum(result is None for result in rejected)
+    if ran is None or len(ran) != accepted:
+        raise ValueError(f"step() ran {accepted} tool call(s) but returned {0 if ran is None else len(ran)} result(s)")
+    answers = iter(ran)
+    results = []
+    for call, rejection in zip(calls, rejected):
+        if rejection is None:
+            content, error = next(answers)
+            rejection = ToolResult(truncate(str(content), max_chars), error, call.id)
+        results.append(rejection)
+    return results
 
 
 def execute_tools(
@@ -143,12 +187,12 @@ def execute_tools(
 
 
 def execute_turn(turns: datasets.Dataset, tokenizer: Any, config: RunConfig) -> datasets.Dataset:
-    """execute-tools for one turn, with the registered environments and tools and the run config."""
+    """execute-tools for one turn, with the run's environments and tools and the run config."""
     return execute_tools(
         turns,
         tokenizer,
-        ENVIRONMENTS,
-        TOOLS,
+        environments(config),
+        registered_tools(config),
         task_config=config.task,
         tools_config=config.tools,
         generation_config=config.generation,
@@ -156,15 +200,15 @@ def execute_turn(turns: datasets.Dataset, tokenizer: Any, config: RunConfig) -> 
     )
 
 
-def turn_summary(dataset: datasets.Dataset) -> dict[str, Any]:
+def turn_summary(dataset: datasets.Dataset, config: RunConfig) -> dict[str, Any]:
     """What the manifest of a turn records: rollouts still going on, why the others stopped,
-    tool failures by kind and the registered tools."""
+    tool failures by kind and the tools the run's tasks may use."""
     stops = dataset["stop_reason"]
     return {
         "active": sum(stop is None for stop in stops),
         "stop_reasons": {stop: stops.count(stop) for stop in sorted(set(stops) - {None})},
         "tool_failures": failure_counts(dataset),
-        "tools": sorted(TOOLS),
+        "tools": sorted(registered_tools(config)),
     }
 
 

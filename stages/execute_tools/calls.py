@@ -29,7 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stages.tools import INJECTED_PARAMETERS, NOT_SANDBOXABLE, importable_by_name, tool_schema
+from stages.tools import (
+    INJECTED_PARAMETERS,
+    NOT_SANDBOXABLE,
+    RemoteTool,
+    importable_by_name,
+    tool_schema,
+    truncate,
+)
 
 FAILURE_KINDS = ("malformed", "unknown_tool", "bad_arguments", "raised", "timeout", "crashed")
 
@@ -134,13 +141,16 @@ def validate_arguments(schema: dict[str, Any], arguments: dict[str, Any]) -> str
     return None
 
 
-def _check(call: ToolCall, tools: dict[str, Callable[..., Any]]) -> ToolResult | None:
-    """The error result of a call that must not run at all, else None."""
+def rejected_call(call: ToolCall, schemas: dict[str, dict[str, Any]]) -> ToolResult | None:
+    """The error result of a call that must not run at all (malformed, an unknown tool, arguments
+    that do not fit its schema), else None. `schemas`: the JSON schema of each tool by name."""
     if call.error is not None:
         return ToolResult(f"Error: {call.error}", "malformed", call.id)
-    if call.name not in tools:
-        return ToolResult(f"Error: unknown tool '{call.name}'; available: {', '.join(tools)}", "unknown_tool", call.id)
-    problem = validate_arguments(tool_schema(tools[call.name]), call.arguments)
+    if call.name not in schemas:
+        return ToolResult(
+            f"Error: unknown tool '{call.name}'; available: {', '.join(schemas)}", "unknown_tool", call.id
+        )
+    problem = validate_arguments(schemas[call.name], call.arguments)
     if problem is not None:
         return ToolResult(f"Error: {problem}", "bad_arguments", call.id)
     return None
@@ -152,12 +162,6 @@ WORKER_SCRIPT = Path(__file__).with_name("worker.py")
 # How much of a dead worker's stderr its error result quotes: the rollout's `failure` keeps the
 # first 1000 characters of the message, which leaves room for the words around the quote.
 STDERR_TAIL_CHARS = 800
-
-
-def _truncate(text: str, max_chars: int) -> str:
-    if len(text) <= max_chars:
-        return text
-    return text[:max_chars] + f"... [truncated {len(text) - max_chars} characters]"
 
 
 def _exit_status(returncode: int) -> str:
@@ -309,9 +313,9 @@ _POOL = _WorkerPool()
 
 def _call_in_thread(tool: Callable[..., Any], arguments: dict, max_chars: int) -> ToolResult:
     try:
-        return ToolResult(_truncate(str(tool(**arguments)), max_chars))
+        return ToolResult(truncate(str(tool(**arguments)), max_chars))
     except Exception as exc:  # a tool that raises gives the model an error message, not a crash
-        return ToolResult(_truncate(f"Error: {exc.__class__.__name__}: {exc}", max_chars), "raised")
+        return ToolResult(truncate(f"Error: {exc.__class__.__name__}: {exc}", max_chars), "raised")
 
 
 def run_tool_calls(
@@ -330,16 +334,19 @@ def run_tool_calls(
     With `sandbox` each call runs in a separate worker process with a memory limit, killed
     at the deadline (and replaced); a tool a worker cannot import by name (a lambda, a closure,
     a function of __main__) is a ValueError, whichever calls the model made. Without it each
-    call runs in a thread, which is abandoned, not killed, at the deadline.
+    call runs in a thread, which is abandoned, not killed, at the deadline. A RemoteTool runs
+    in its own server, which keeps the same deadline (stages/tools.py).
     `task` is passed to tools that take a `task` parameter.
     """
     if sandbox:
         for name, tool in tools.items():
-            if not importable_by_name(tool):
+            if not isinstance(tool, RemoteTool) and not importable_by_name(tool):
                 raise ValueError(f"tool '{name}' {NOT_SANDBOXABLE}")
-    rejected = [_check(call, tools) for call in calls]
+    schemas = {name: tool_schema(tool) for name, tool in tools.items()}
+    rejected = [rejected_call(call, schemas) for call in calls]
     runnable = [i for i, rejection in enumerate(rejected) if rejection is None]  # call indexes
-    isolated = runnable if sandbox else []
+    remote = {i for i in runnable if isinstance(tools[calls[i].name], RemoteTool)}
+    isolated = [i for i in runnable if i not in remote] if sandbox else []
     modules = {tools[calls[i].name].__module__ for i in isolated}
     workers, start_failure = _POOL.reserve(len(isolated), memory_mb, modules) if isolated else ([], "")
     worker_of = dict(zip(isolated, workers))
@@ -347,6 +354,9 @@ def run_tool_calls(
 
     def run(index: int) -> ToolResult:
         call, tool = calls[index], tools[calls[index].name]
+        if index in remote:
+            content, error = tool.call(call.arguments, timeout_s, max_output_chars)
+            return ToolResult(content, error)
         arguments = dict(call.arguments)
         for name in INJECTED_PARAMETERS:
             if name in inspect.signature(tool).parameters:
@@ -355,7 +365,7 @@ def run_tool_calls(
             return _call_in_thread(tool, arguments, max_output_chars)
         if index not in worker_of:
             message = f"Error: no worker process could start for tool '{call.name}' ({start_failure})"
-            return ToolResult(_truncate(message, max_output_chars), "crashed")
+            return ToolResult(truncate(message, max_output_chars), "crashed")
         worker = worker_of[index]
         result = worker.call(tool, arguments, deadline, max_output_chars)
         if result is not None:
@@ -363,7 +373,7 @@ def run_tool_calls(
         if time.monotonic() >= deadline:
             return ToolResult(f"Error: tool '{call.name}' timed out after {timeout_s:g} s", "timeout")
         message = f"Error: tool '{call.name}' crashed its worker process ({worker.exit_report})"
-        return ToolResult(_truncate(message, max_output_chars), "crashed")
+        return ToolResult(truncate(message, max_output_chars), "crashed")
 
     pool = ThreadPoolExecutor(max_workers=max(1, min(16, len(runnable))), thread_name_prefix="mtrl-tool")
     futures = {i: pool.submit(run, i) for i in runnable}
@@ -371,9 +381,11 @@ def run_tool_calls(
     for index, (call, rejection) in enumerate(zip(calls, rejected)):
         result = rejection
         if result is None:
+            # a worker is killed at the deadline; the extra second covers the kill. A remote tool
+            # keeps its own deadline once its server is ready, which may take its start timeout.
+            grace = 1.0 + (tools[call.name].start_timeout_s if index in remote else 0.0)
             try:
-                # a worker is killed at the deadline; the extra second covers the kill
-                result = futures[index].result(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
+                result = futures[index].result(timeout=max(0.0, deadline - time.monotonic()) + grace)
             except FutureTimeout:
                 result = ToolResult(f"Error: tool '{call.name}' timed out after {timeout_s:g} s", "timeout")
         results.append(ToolResult(result.content, result.error, call.id))  # each path truncated already
