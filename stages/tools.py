@@ -138,7 +138,7 @@ TOOLS: dict[str, Callable[..., Any]] = {
 }
 
 
-# ----------------------------------------------------------------------------- tools served by another process
+# ----------------------------------------------------------------------------- a tool's output
 
 
 def truncate(text: str, max_chars: int) -> str:
@@ -146,6 +146,9 @@ def truncate(text: str, max_chars: int) -> str:
     if len(text) <= max_chars:
         return text
     return text[:max_chars] + f"... [truncated {len(text) - max_chars} characters]"
+
+
+# ----------------------------------------------------------------------------- tools served by another process
 
 
 class RemoteTool:

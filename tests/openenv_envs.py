@@ -11,8 +11,16 @@ import random
 from typing import Any
 
 from fastmcp import FastMCP
-from openenv.core.env_server import Action, CallToolAction, CallToolObservation, Environment, MCPEnvironment
-from openenv.core.env_server import Observation, State, create_fastapi_app
+from openenv.core.env_server import (
+    Action,
+    CallToolAction,
+    CallToolObservation,
+    Environment,
+    MCPEnvironment,
+    Observation,
+    State,
+    create_fastapi_app,
+)
 
 RANGE = (1, 20)
 MOVES = 6

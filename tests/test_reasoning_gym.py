@@ -111,6 +111,7 @@ def test_demonstrations_answer_with_the_gold_answer_and_warm_start(tiny):
         check_demonstrations(demonstrators(no_gold))
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("prefect_server")
 def test_one_iteration_on_twelve_generators_scores_every_answer_with_the_package(tmp_path):
     from pipeline.flows import rl_training

@@ -91,8 +91,12 @@ def test_lineage_config_merges_the_fields_each_ancestor_recorded(tmp_path):
     assert config.ppo.kl_coef == 0.1 and config.ppo.kl_in == "loss" and config.advantage.estimator == "rloo"
 
 
+HEAVY = ("prefect", "reasoning_gym", "textarena", "mcp", "fastmcp", "openenv")  # imported only when needed
+
+
 def test_reading_the_store_does_not_import_prefect(tmp_path):
-    """mtrl ls/show/lineage answer from the manifests alone: Prefect is not even imported."""
+    """mtrl ls/show/lineage answer from the manifests alone: neither Prefect nor an ecosystem
+    package is even imported."""
     import subprocess
     import sys
 
@@ -103,7 +107,27 @@ def test_reading_the_store_does_not_import_prefect(tmp_path):
         "import sys; from pipeline.cli import main\n"
         f"for command in (['ls'], ['show', 'assign-rewards/a1'], ['lineage', 'assign-rewards/a1']):\n"
         f"    assert main([*command, '--runs-dir', {str(tmp_path)!r}]) == 0\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'prefect'))"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_run_of_mtrls_own_tasks_imports_no_ecosystem_package():
+    """The adapters are imported by name, only for a task that uses them: the versions of a run of
+    the built-in tasks are computed without reasoning-gym, textarena, MCP or OpenEnv."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom schemas.config import RunConfig\nfrom pipeline.tasks import stage_version\n"
+        "from stages.tasks import check_environments, rollout_starts\n"
+        "config = RunConfig(task={'name': 'calculator,weather,guess-number'})\n"
+        "check_environments(config); rollout_starts(config, 0)\n"
+        "for stage in ('generate-rollouts', 'execute-tools', 'assign-rewards', 'sft'):\n"
+        "    stage_version(config, stage, {}, {})\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY[1:]!r})))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr

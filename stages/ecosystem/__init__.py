@@ -50,4 +50,9 @@ def adapted_environment(name: str, options_json: str) -> Any:
     prefix, _, inner = name.partition("/")
     module, cls, distribution = ADAPTERS[prefix]
     adapter = getattr(import_adapter(module, distribution), cls)
-    return adapter(inner, json.loads(options_json))
+    try:
+        return adapter(inner, json.loads(options_json))
+    except ValueError:
+        raise
+    except Exception as exc:  # an environment server that is down, a class that fails to start
+        raise ValueError(f"task '{name}' cannot be set up: {exc.__class__.__name__}: {exc}") from exc

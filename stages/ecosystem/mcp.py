@@ -92,7 +92,10 @@ class Connection:
             self.close()
             raise ServerError(f"no answer to initialize within {config.start_timeout_s:g} s{self.stderr_tail()}")
         if self.session is None:
-            raise ServerError(f"{self.error.__class__.__name__}: {self.error}{self.stderr_tail()}")
+            error = self.error
+            while isinstance(error, BaseExceptionGroup) and error.exceptions:  # an anyio task group's wrapping
+                error = error.exceptions[0]
+            raise ServerError(f"{error.__class__.__name__}: {error}{self.stderr_tail()}")
 
     def _transport(self) -> Any:
         if self.config.url is not None:

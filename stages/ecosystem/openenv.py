@@ -1,6 +1,7 @@
 """OpenEnv environments as tasks: `--task openenv/LABEL` (docs/environments.md), with
 task.options["openenv/LABEL"] = {"environment": "package.module.Class"} (made in this process,
-with the keyword arguments `kwargs`) or {"url": "http://host:port"} (a server, over its WebSocket).
+with the keyword arguments `kwargs`) or {"url": "http://host:port"} (a server, over its WebSocket;
+`max_sessions` at once, 1 by default, as OpenEnv's server allows).
 
 Onto the Environment contract:
 - reset(seed=S) gives the first user message: the observation's text (its one string field, the
@@ -23,11 +24,14 @@ naming the action, instead of diverging.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import inspect
 import json
 import random
+import threading
+import time
 import typing
 import urllib.request
 from collections.abc import Iterator
@@ -36,12 +40,14 @@ from typing import Any
 
 from openenv.core.env_server import Action, deserialize_action, serialize_observation
 from openenv.core.generic_client import GenericEnvClient
+from websockets.exceptions import ConnectionClosed
 
 from runtime.hashing import source_version
 from stages.environments import SYSTEM_PROMPT, Environment, EnvStep, final_answer
 
 SEEDS = 2**31
-OPTIONS = ("environment", "kwargs", "url", "action_field", "observation_field")
+OPTIONS = ("environment", "kwargs", "url", "max_sessions", "action_field", "observation_field")
+CAPACITY_WAIT_S = 30.0  # how long a new session waits for a server to let go of a closed one
 LIST_TOOLS = {"type": "list_tools"}
 Outcome = tuple[dict[str, Any], float | None, bool]  # an observation's fields, its reward, done
 
@@ -78,11 +84,35 @@ class LocalEpisode:
 
 
 class RemoteEpisode:
-    """An episode on an environment server: one WebSocket session."""
+    """An episode on an environment server: one WebSocket session, holding one of the process's
+    `max_sessions` places for that server (OpenEnv serves one session at a time unless its server
+    is told otherwise)."""
 
-    def __init__(self, url: str) -> None:
-        self.client = GenericEnvClient(base_url=url).sync()
-        self.client.connect()
+    def __init__(self, url: str, max_sessions: int) -> None:
+        self.place = places(url, max_sessions)
+        self.place.acquire()
+        try:
+            self.client = self._connect(url)
+        except BaseException:
+            self.place.release()
+            raise
+
+    @staticmethod
+    def _connect(url: str) -> Any:
+        """A session; a server that still counts a session that has just closed is asked again."""
+        deadline = time.monotonic() + CAPACITY_WAIT_S
+        while True:
+            client = GenericEnvClient(base_url=url).sync()
+            try:
+                client.connect()
+                client.state()  # the first message: a server at capacity refuses it
+                return client
+            except Exception as exc:
+                client.close()
+                full = "CAPACITY_REACHED" in str(exc) or isinstance(exc, ConnectionClosed)
+                if not full or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     @staticmethod
     def _outcome(result: Any) -> Outcome:
@@ -95,7 +125,16 @@ class RemoteEpisode:
         return self._outcome(self.client.step(payload))
 
     def close(self) -> None:
-        self.client.close()
+        try:
+            self.client.close()
+        finally:
+            self.place.release()
+
+
+@functools.cache
+def places(url: str, max_sessions: int) -> threading.BoundedSemaphore:
+    """How many sessions this process opens on a server at once."""
+    return threading.BoundedSemaphore(max_sessions)
 
 
 def import_class(path: str) -> type:
@@ -164,7 +203,7 @@ class OpenEnvEnv(Environment):
         episode = (
             LocalEpisode(self.environment_class, self.options.get("kwargs", {}))
             if self.environment_class is not None
-            else RemoteEpisode(self.options["url"])
+            else RemoteEpisode(self.options["url"], int(self.options.get("max_sessions", 1)))
         )
         try:
             yield episode

@@ -76,17 +76,19 @@ class TextArenaEnv(Environment):
 
     def _start(self, seed: int) -> tuple[Any, str]:
         """The raw game after reset(seed), and its first messages (call it alone())."""
-        game = textarena.make(self.game, **self.options)
-        while isinstance(game, textarena.Wrapper):  # the raw game: mtrl shows messages and passes moves itself
-            game = game.env
         try:
-            game.reset(num_players=1, seed=seed)
-        except LookupError as exc:  # nltk.data.find: a corpus that could not be downloaded
+            game = textarena.make(self.game, **self.options)
+            while isinstance(game, textarena.Wrapper):  # the raw game: mtrl shows messages and passes moves itself
+                game = game.env
+            try:
+                game.reset(num_players=1, seed=seed)
+            except (AssertionError, ValueError) as exc:  # how textarena refuses a number of players
+                raise ValueError(f"{self.name} is not a single-player game (mtrl plays those): {exc}") from None
+        except LookupError as exc:  # nltk.data.find: a corpus that is not installed and could not be downloaded
+            missing = next((line.strip() for line in str(exc).splitlines() if "not found" in line), str(exc))
             raise ValueError(
-                f"{self.name} needs data that is not installed and could not be downloaded: {exc}"
+                f"{self.name} needs data that is not installed and could not be downloaded: {missing}"
             ) from None
-        except (AssertionError, ValueError) as exc:
-            raise ValueError(f"{self.name} is not a single-player game (mtrl plays those): {exc}") from None
         return game, self._messages(game)
 
     @staticmethod

