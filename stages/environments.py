@@ -48,9 +48,9 @@ class Environment:
     max_turns: ClassVar[int] = 4  # assistant turns before a rollout is cut, unless task.max_turns says otherwise
     # True: step() runs the turn's tool calls itself, inside its episode (an OpenEnv MCPEnvironment's
     # tools act on the episode's state), and returns their results in EnvStep.tool_results; its
-    # tools are then described by `tool_schemas`, not looked up among the registered tools.
+    # tools are then described by `own_tool_schemas`, not looked up among the registered tools.
     runs_tool_calls: ClassVar[bool] = False
-    tool_schemas: list[dict[str, Any]] = []
+    own_tool_schemas: list[dict[str, Any]] = []
 
     def identity(self) -> dict[str, Any]:
         """What shapes this environment's behaviour besides its source file (hashed into the versions

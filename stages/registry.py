@@ -93,5 +93,5 @@ def environments_code(config: RunConfig, names: list[str]) -> dict[str, Any]:
 def tool_schemas(environment: Environment, tools: dict[str, Any]) -> list[dict[str, Any]]:
     """The JSON schemas of an environment's tools, as its prompts show them to the model."""
     if environment.runs_tool_calls:
-        return environment.tool_schemas
+        return environment.own_tool_schemas
     return [tool_schema(tools[tool]) for tool in environment.tools]

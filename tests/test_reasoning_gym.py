@@ -105,6 +105,16 @@ def test_demonstrations_answer_with_the_gold_answer_and_warm_start(tiny):
     sequence = demonstration_sequence(tokenizer, messages, schemas, enable_thinking=True)
     trained = tokenizer.decode([sequence.token_ids[i] for i in sequence.target_positions])
     assert trained.endswith(f"<answer>{task['answer']}</answer><|im_end|>")
+    # where the task offers the calculator and the item's expression computes the gold answer, the
+    # demonstration calls it first: the warm start shows the tool in use
+    products = task_name("products")
+    config = RunConfig(task={"name": products, "tools": {products: ["calculate"]}})
+    env = environment(config, products)
+    task = env.sample_task(random.Random(0))
+    call, result, answer = env.demonstration(task)[2:]
+    expression = call["tool_calls"][0]["function"]["arguments"]["expression"]
+    assert expression in task["question"] and result == {"role": "tool", "content": task["answer"]}
+    assert answer == {"role": "assistant", "content": f"<answer>{task['answer']}</answer>"}
     # a generator without gold answers (only its scorer grades) cannot demonstrate
     no_gold = RunConfig(task={"name": "calculator"}, sft={"steps": 1, "task": "reasoning-gym/propositional_logic"})
     with pytest.raises(ValueError, match="has no gold answers"):

@@ -185,7 +185,7 @@ class OpenEnvEnv(Environment):
             tools = self._tools(episode)
         self.identity_fields = {"action_schema": action_schema, "tools": tools}
         self.action_field = options.get("action_field") or self._text_field(action_schema)
-        self.tool_schemas = [
+        self.own_tool_schemas = [
             {"type": "function", "function": {"name": t["name"], "description": t.get("description") or "",
                                               "parameters": t.get("input_schema") or {"type": "object"}}}
             for t in tools

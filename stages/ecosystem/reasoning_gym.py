@@ -9,8 +9,9 @@ included), on the text between the last <answer> and </answer>. Only S and the q
 stored: the scorer's item is made again from S, and a package that makes another question from it
 fails the rollout instead of scoring it against the wrong item.
 
-Demonstrations (`mtrl sft`) answer with the gold answer; a generator without one (only its scorer
-can grade) has none.
+Demonstrations (`mtrl sft`) answer with the gold answer, after a calculate call where the task offers
+the calculator and the item's expression computes to that answer; a generator without gold answers
+(only its scorer can grade) has none.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import reasoning_gym
 from reasoning_gym.factory import DATASETS
 from reasoning_gym.utils import extract_answer
 
-from stages.environments import SYSTEM_PROMPT, Environment, final_answer
+from stages.environments import SYSTEM_PROMPT, Environment, final_answer, tool_call
+from stages.tools import calculate
 
 ANSWER_FORMAT = "Put only your final answer between <answer> and </answer>."
 # Tools offered by default, by the generator's family (its reasoning_gym subpackage): the
@@ -101,6 +103,21 @@ class ReasoningGymEnv(Environment):
         return reward >= 1.0  # full credit: some scorers give partial credit to wrong answers
 
     def demonstration(self, task: dict[str, Any]) -> list[dict[str, Any]]:
+        """The gold answer between the tags; first a calculate call on the item's expression where
+        the task offers the calculator and it computes the gold answer from it (the arithmetic
+        generators: basic_arithmetic, chain_sum, products, ...), so that a warm start shows the tool
+        in use where it helps."""
         if task["answer"] is None:
             raise ValueError(f"{self.name} has no gold answers (only its scorer grades): no demonstrations")
-        return self.reset(task) + [{"role": "assistant", "content": f"<answer>{task['answer']}</answer>"}]
+        answer = {"role": "assistant", "content": f"<answer>{task['answer']}</answer>"}
+        expression = self.item(task["seed"])["metadata"].get("expression")
+        if "calculate" not in self.tools or not isinstance(expression, str):
+            return [*self.reset(task), answer]
+        try:
+            computed = calculate(expression)
+        except ValueError:  # beyond what the calculator evaluates
+            computed = None
+        if computed != task["answer"]:
+            return [*self.reset(task), answer]
+        call = {"role": "assistant", "content": "", "tool_calls": [tool_call("calculate", expression=expression)]}
+        return [*self.reset(task), call, {"role": "tool", "content": computed}, answer]

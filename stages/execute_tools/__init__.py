@@ -70,7 +70,7 @@ def _step_turn(
     task = json.loads(row["task_payload"])
     calls = parse_tool_calls(row["content"])
     if environment.runs_tool_calls:  # its tools act on its episode: step() runs the calls that are well formed
-        schemas = {schema["function"]["name"]: schema for schema in environment.tool_schemas}
+        schemas = {schema["function"]["name"]: schema for schema in environment.own_tool_schemas}
         results = [rejected_call(call, schemas) for call in calls]
     else:
         own_tools = {name: tools[name] for name in environment.tools}  # an agent only has its task's tools
