@@ -12,8 +12,9 @@ For each seed, exactly what a user types:
    never a training iteration's), `mtrl run` for the task's iterations, `mtrl eval` of the last
    policy on the same tasks.
 
-The RL tasks: reasoning-gym/chain_sum (sums and differences of 2-3 numbers of 1-2 digits, with
-the calculate tool; reward: the package's scorer, success: full credit) and
+The RL tasks: reasoning-gym/basic_arithmetic (its defaults: 2-6 numbers of 1-4 digits with + - * /,
+parentheses and negation, e.g. "Calculate -( 2 + -8 + 1 ) + 1.", with the calculate tool; reward:
+the package's scorer, success: full credit) and
 textarena/GuessTheNumber-v0 (a number between 1 and 20 in 10 guesses, each a move like [7];
 reward: the game's, 1 for a win and the closeness of the last guess otherwise; success: a win).
 
@@ -43,14 +44,14 @@ from real_model import GGUF_NAME, gguf_path, iteration_report  # noqa: E402
 from pipeline.store import Store  # noqa: E402
 
 WARM_START = "reasoning-gym/products"  # multiplications: a calculate call, then the answer between the tags
-CHAIN_SUM = "reasoning-gym/chain_sum"
+ARITHMETIC = "reasoning-gym/basic_arithmetic"
 GAME = "textarena/GuessTheNumber-v0"
 RL_TASKS = {  # what a user sets for each task: its name, settings, tools, turn and token limits
     "reasoning-gym": {
-        "task": CHAIN_SUM,
-        "options": {CHAIN_SUM: {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}},
-        "tools": {CHAIN_SUM: ["calculate"]},
-        "sets": {"task.max_turns": 3, "generation.max_new_tokens": 64},
+        "task": ARITHMETIC,
+        "options": {},  # the generator's defaults
+        "tools": {ARITHMETIC: ["calculate"]},
+        "sets": {"task.max_turns": 3, "generation.max_new_tokens": 96},
     },
     "textarena": {
         "task": GAME,
@@ -62,20 +63,17 @@ RL_TASKS = {  # what a user sets for each task: its name, settings, tools, turn 
 
 
 def model_flags(args: argparse.Namespace, runs_dir: Path) -> list[str]:
-    """The model, its template and sampling: the same in every command of a seed (mtrl eval's too)."""
+    """The model, its template and the warm start's task: the same in every command of a seed (mtrl
+    eval's too: task.tools names the warm start's task, which the run's config must hold)."""
     flags = ["--model", str(gguf_path(args.gguf)), "--runs-dir", str(runs_dir), "--seed", str(args.seed)]
-    sets = {"model.chat_template": "hermes", "generation.enable_thinking": "false"}
+    sets = {"model.chat_template": "hermes", "generation.enable_thinking": "false", "sft.task": WARM_START}
     return flags + [f"--set={name}={value}" for name, value in sets.items()]
 
 
 def training_flags(args: argparse.Namespace) -> list[str]:
     """What `mtrl sft` and `mtrl run` add: the warm start, the iterations' size, the learning rates."""
     flags = ["--sft-steps", str(args.sft_steps), "--rollouts", str(args.rollouts), "--group-size", "8"]
-    sets = {
-        "sft.task": WARM_START,
-        "sft.learning_rate": args.sft_learning_rate,
-        "ppo.learning_rate": args.learning_rate,
-    }
+    sets = {"sft.learning_rate": args.sft_learning_rate, "ppo.learning_rate": args.learning_rate}
     return flags + [f"--set={name}={value}" for name, value in sets.items()]
 
 
@@ -104,6 +102,7 @@ def one_seed(args: argparse.Namespace, root: Path) -> dict:
     results = {"warm_start": {"version": warm.version, "wall_s": round(sft_wall, 1), "loss": warm.metrics}}
     for name in args.tasks:
         runs_dir = root / name / "runs"
+        shutil.rmtree(runs_dir, ignore_errors=True)  # what an earlier, unfinished attempt left
         shutil.copytree(warm_dir, runs_dir)  # the warm start is a stored version: RL finds it
         flags = [*model_flags(args, runs_dir), *task_flags(name)]
         started = time.perf_counter()

@@ -125,9 +125,12 @@ MUST_NOT = {
     # the tool sandbox runs calls: generation renders the tools' schemas only
     "generate-rollouts": {"stages/execute_tools/calls.py", "stages/execute_tools/worker.py", "stages/sharding.py",
                           "stages/ppo_update/__init__.py", "stages/compute_advantages.py"},
-    # the vLLM launcher and the HF engine generate; tools never need them
+    # the vLLM launcher and the HF engine generate; tools never need them. An ecosystem adapter is hashed
+    # through its task's environment code, in the runs that use it only (stages/registry.py)
     "execute-tools": {"stages/generate_rollouts/vllm_server.py", "stages/generate_rollouts/hf.py",
-                      "stages/generate_rollouts/__init__.py", "stages/tasks.py", "stages/policy.py"},
+                      "stages/generate_rollouts/__init__.py", "stages/tasks.py", "stages/policy.py",
+                      "stages/ecosystem/reasoning_gym.py", "stages/ecosystem/textarena.py",
+                      "stages/ecosystem/openenv.py", "stages/ecosystem/mcp.py"},
     "assign-rewards": {"stages/execute_tools/calls.py", "stages/policy.py", "stages/generate_rollouts/__init__.py"},
     "compute-advantages": {"stages/ppo_update/__init__.py", "stages/sharding.py", "stages/generate_rollouts/hf.py"},
     # the torchrun/Ray launcher decides where the ranks run, as ppo.nodes does; the memory sampler measures

@@ -154,10 +154,11 @@ def episode_results(
     answers = iter(ran)
     results = []
     for call, rejection in zip(calls, rejected):
-        if rejection is None:
-            content, error = next(answers)
-            rejection = ToolResult(truncate(str(content), max_chars), error, call.id)
-        results.append(rejection)
+        if rejection is not None:
+            results.append(rejection)
+            continue
+        content, error = next(answers)
+        results.append(ToolResult(truncate(str(content), max_chars), error, call.id))
     return results
 
 
