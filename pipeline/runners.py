@@ -106,7 +106,7 @@ def map_row_shards(
     if not ray.is_initialized():
         raise RunnerError(
             "runner 'ray', but this process is not connected to Ray: with the ray runner a stage runs as a "
-            "Ray task, submitted by pipeline.flows.run_stage to the runner that stage_runner starts; "
+            "Ray task, submitted by pipeline.tasks.run_stage to the runner that stage_runner starts; "
             "runner.kind: thread runs it in this process"
         )
     shards = min(config.shards, len(rows))
