@@ -109,7 +109,7 @@ def validate_choices(config: RunConfig) -> None:
     from stages.compute_advantages import ESTIMATORS
     from stages.generate_rollouts import ENGINES, check_context_budget
     from stages.policy import ModelError
-    from stages.tasks import check_environments, load_plugins
+    from stages.task_mix import check_environments, load_plugins
 
     try:
         load_plugins(config.task.plugins)
@@ -392,7 +392,7 @@ def command_audit(args: argparse.Namespace) -> Work:
     from schemas.config import rescore_tolerance
     from stages.policy import load_tokenizer
     from stages.registry import environments, registered_tools
-    from stages.tasks import load_plugins
+    from stages.task_mix import load_plugins
 
     store = Store(args.runs_dir)
     stage, version = store.resolve(args.reference)

@@ -41,7 +41,7 @@ from pipeline.tasks import (
 from runtime.phases import PHASES
 from runtime.threads import use_threads
 from schemas.config import RunConfig
-from stages.tasks import load_plugins, turn_limit
+from stages.task_mix import load_plugins, turn_limit
 
 
 @flow(name="rl-iteration")

@@ -137,7 +137,7 @@ STAGES: dict[str, Stage] = {
             config=("generation", "task", "seed", "model.dtype"),
             derived=("device", "environment_code", "engine_version"),
             # with the worker extension the vLLM servers mtrl starts load each policy through
-            code=("stages/generate_rollouts", "stages/generate_rollouts/vllm_extension", "stages/tasks.py"),
+            code=("stages/generate_rollouts", "stages/generate_rollouts/vllm_extension", "stages/task_mix.py"),
         ),
         Stage(
             name="execute-tools",

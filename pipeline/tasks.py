@@ -46,7 +46,7 @@ from stages.generate_rollouts.engine import GenerationEngine, open_engine
 from stages.policy import load_tokenizer, parameter_count
 from stages.ppo_update.launch import train_with_torchrun
 from stages.registry import environments
-from stages.tasks import load_plugins, turn_limit
+from stages.task_mix import load_plugins, turn_limit
 
 POLICY_CODE_VERSION = "1"  # the layout of a stored policy (a save_pretrained folder + optimiser state)
 # a stage run's config (ppo-update: store.fresh_optimizer_if_pruned resolved), parents (stage -> version), position

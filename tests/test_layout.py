@@ -107,7 +107,7 @@ def test_stages_never_import_each_other():
 
 # Per stage: files its version must hash, and files it must not (they do not shape its output).
 MUST = {
-    "generate-rollouts": {"stages/tasks.py", "stages/registry.py", "stages/tools.py", "stages/environments.py",
+    "generate-rollouts": {"stages/task_mix.py", "stages/registry.py", "stages/tools.py", "stages/environments.py",
                           "stages/policy.py",
                           "stages/generate_rollouts/hf.py", "stages/generate_rollouts/vllm_server.py",
                           "stages/generate_rollouts/vllm_extension/mtrl_vllm_extension.py"},
@@ -128,7 +128,7 @@ MUST_NOT = {
     # the vLLM launcher and the HF engine generate; tools never need them. An ecosystem adapter is hashed
     # through its task's environment code, in the runs that use it only (stages/registry.py)
     "execute-tools": {"stages/generate_rollouts/vllm_server.py", "stages/generate_rollouts/hf.py",
-                      "stages/generate_rollouts/__init__.py", "stages/tasks.py", "stages/policy.py",
+                      "stages/generate_rollouts/__init__.py", "stages/task_mix.py", "stages/policy.py",
                       "stages/ecosystem/reasoning_gym.py", "stages/ecosystem/textarena.py",
                       "stages/ecosystem/openenv.py", "stages/ecosystem/mcp.py"},
     "assign-rewards": {"stages/execute_tools/calls.py", "stages/policy.py", "stages/generate_rollouts/__init__.py"},
