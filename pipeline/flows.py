@@ -52,14 +52,15 @@ def rl_iteration(
     iteration: int | None = None,
     policy_version: str | None = None,
     plot: bool = True,
-    generate_next: bool = False,
+    generate_next: bool = True,
 ) -> dict[str, Any]:
     """One RL iteration: train `policy_version` on rollouts of the policy ppo.max_staleness updates
     before it. Without arguments: the next iteration from the store's newest policy (what a
     scheduled deployment run does). One iteration at a time per store: a file lock.
     `plot`: draw the learning curve into the summary artifact (rl-training: at its last iteration).
     `generate_next` (with max_staleness > 0): make the next iteration's experience (rollouts,
-    rewards, advantages) while this one trains; its run finds them stored."""
+    rewards, advantages) while this one trains; its run (the next in rl-training, or a
+    deployment's next run) finds them stored. rl-training's last iteration passes False."""
     use_threads(config.runner.threads)  # a deployment's run starts here, not in `mtrl`
     load_plugins(config.task.plugins)
     store = Store(config.store.runs_dir)
