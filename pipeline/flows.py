@@ -32,6 +32,7 @@ from pipeline.runners import stage_runner
 from pipeline.stage_table import POLICY, STAGES
 from pipeline.store import Store
 from pipeline.tasks import (
+    AHEAD_THREAD,
     POLICY_ENGINE,
     execute_tools_task,
     generate_rollouts_task,
@@ -177,7 +178,7 @@ def in_background(function: Callable[..., Any], *args: Any) -> Iterator[None]:
     The block's own error (Ctrl-C included) sets `stop` and is raised once the thread has stopped
     at its next boundary; the thread's error is raised at the block's end as a BackgroundError."""
     stop = threading.Event()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="experience-ahead") as pool:
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix=AHEAD_THREAD) as pool:
         done = pool.submit(contextvars.copy_context().run, function, *args, stop)
         try:
             yield

@@ -19,6 +19,7 @@ import functools
 import os
 import shutil
 import socket
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -341,6 +342,9 @@ def compute_advantages_task(
     }
 
 
+AHEAD_THREAD = "experience-ahead"  # the thread of pipeline.flows.in_background: the next batch, made beside ppo-update
+
+
 @stage_task("ppo-update")
 def ppo_update_task(
     store: Store, config: RunConfig, version: str, parents: dict[str, str], iteration: int
@@ -365,7 +369,11 @@ def ppo_update_task(
     work = store.root / "ppo-update" / f"{TMP_PREFIX}{version}-train-{os.getpid()}-{uuid4().hex[:8]}"
     placement: dict[str, Any] = {}  # several processes: where each rank ran
     try:
-        with peak_memory() as memory:  # this stage's own peak (resident set; CUDA allocator)
+        # the resident set is the process's: with ppo.max_staleness the next batch, made in a thread
+        # beside this one, counts too (memory.scope says so; torchrun's ranks measure only themselves)
+        beside = [thread.name for thread in threading.enumerate() if thread.name.startswith(AHEAD_THREAD)]
+        with peak_memory() as memory:
+            memory["scope"] = "the process, with the next batch made beside it" if beside else "this stage"
             if config.ppo.world_size == 1:
                 trained = ppo_update.train_policy(
                     turns,
@@ -387,7 +395,7 @@ def ppo_update_task(
                 # the largest rank's peak, as one process reports its own; then each rank's
                 ranks = trained.memory_per_rank
                 memory = {name: max(rank[name] for rank in ranks) for name in ("rss_before_mb", "peak_rss_mb")}
-                memory["ranks"] = ranks
+                memory.update(ranks=ranks, scope="the largest rank")
                 placement["nodes"] = trained.nodes
         next_policy, policy_files = write_trained_policy(store, "ppo-update", version, trained.save, iteration)
     finally:

@@ -48,6 +48,9 @@ def test_iteration_i_is_generated_by_policy_i_minus_k_and_trains_policy_i(
         assert update.extra("audit")["rescore_max_abs_diff"] <= 1e-3
         # the decoupled loss: old logprobs are the trained policy's own, recomputed, when it did not generate
         assert update.extra("old_logprobs") == ("recomputed" if i > 0 else "generation")
+        # its memory figure is the process's while the next batch was made beside it (not at the last)
+        beside = "the process, with the next batch made beside it"
+        assert update.extra("memory")["scope"] == ("this stage" if i == iterations - 1 else beside)
         assert {m.extra("staleness") for m in store.versions("generate-rollouts") if m.iteration == i} == {
             i - max(0, i - staleness)
         }
