@@ -43,7 +43,7 @@ from typing import Any
 
 import datasets
 
-from runtime.processes import dies_with_this_thread, free_port
+from runtime.processes import free_port, popen_for_this_process
 from schemas.config import GenerationConfig, RunConfig, rescore_tolerance
 from schemas.features import FinishReason
 from stages.generate_rollouts.engine import ENGINES, Completion, Generation, Request, Sampling
@@ -163,10 +163,10 @@ class VLLMServer:
         with open(log_path, "ab") as log:
             log.write(f"$ {' '.join(command)}\n".encode())
             log.flush()
-            # SIGTERM (it stops its engine and workers) if mtrl dies without stopping it; the
-            # flow's thread that opens the engine keeps it and lives as long as the process
-            self.process = subprocess.Popen(
-                dies_with_this_thread(command),
+            # SIGTERM (it stops its engine and workers) if mtrl dies without stopping it, whichever
+            # thread opened the engine
+            self.process = popen_for_this_process(
+                command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=environment,
