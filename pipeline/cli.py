@@ -126,7 +126,7 @@ def validate_choices(config: RunConfig) -> None:
     if config.generation.engine not in ENGINES:
         raise UsageError(f"unknown generation engine '{config.generation.engine}'; valid: {', '.join(sorted(ENGINES))}")
     if config.generation.engine == "vllm":  # its environment (or server) is there, before a Prefect server starts
-        from stages.generate_rollouts.vllm_server import EngineError, vllm_version
+        from runtime.vllm_server import EngineError, vllm_version
 
         try:
             vllm_version(config.vllm.python, config.vllm.url)

@@ -106,7 +106,7 @@ def _sft_task(config: RunConfig) -> dict[str, Any]:
 def _engine_version(config: RunConfig) -> str | None:
     if config.generation.engine != "vllm":
         return None  # the in-process engine's libraries are the shaping libraries
-    from stages.generate_rollouts.vllm_server import vllm_version
+    from runtime.vllm_server import vllm_version
 
     return vllm_version(config.vllm.python, config.vllm.url)
 

@@ -19,12 +19,13 @@ from pipeline.evaluate import run_episodes
 from pipeline.lineage import generating_policy
 from pipeline.models import EMBEDDED_POLICY
 from pipeline.store import Store
+from runtime.vllm_server import EngineError
 from schemas.config import RunConfig
 from schemas.features import FinishReason
 from schemas.token_stream import prompt_token_ids, rollouts
 from stages.generate_rollouts import sampling_seed
 from stages.generate_rollouts.engine import Request, Sampling, open_engine
-from stages.generate_rollouts.vllm_server import EngineError, served_checkpoint
+from stages.generate_rollouts.vllm_engine import served_checkpoint
 from stages.policy import load_model, score_rollouts
 
 pytestmark = pytest.mark.slow

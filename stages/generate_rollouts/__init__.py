@@ -26,7 +26,7 @@ from schemas.token_stream import (
     prompt_token_ids,
     rollouts,
 )
-from stages.generate_rollouts import hf, vllm_server  # noqa: F401  (register the "hf" and "vllm" engines)
+from stages.generate_rollouts import hf, vllm_engine  # noqa: F401  (register the "hf" and "vllm" engines)
 from stages.generate_rollouts.engine import ENGINES, Completion, GenerationEngine, Request, Sampling
 from stages.task_mix import rollout_starts
 
