@@ -187,9 +187,9 @@ STAGES: dict[str, Stage] = {
             # both are parents: an update of the same rollouts and policy is the same update.
             placement=("ppo.nodes", "ppo.collective_timeout_s", "ppo.max_staleness"),
             derived=("device", "fresh_optimizer"),
-            # the update and, with ppo.world_size > 1, the worker each rank runs; not the launcher
-            # (launch.py: where the ranks run, as ppo.nodes)
-            code=("stages/ppo_update/__init__.py", "stages/ppo_update/worker.py"),
+            # the update and, with ppo.world_size > 1, the worker each rank runs (the launcher that
+            # decides where they run is pipeline/launch.py, as ppo.nodes is placement)
+            code=("stages/ppo_update",),
             rerun_from="compute-advantages",
             writes_policy=True,
         ),

@@ -33,6 +33,7 @@ from prefect import get_run_logger, task
 from pipeline import artifacts, lineage, retention
 from pipeline.artifacts import ppo_progress, publish_stage, turn_progress
 from pipeline.audit import audit_before_training
+from pipeline.launch import train_with_torchrun
 from pipeline.models import resolve_model, starting_tokenizer
 from pipeline.runners import map_row_shards
 from pipeline.stage_table import POLICY, STAGES
@@ -45,7 +46,6 @@ from schemas.token_stream import chat_template_hash
 from stages import assign_rewards, compute_advantages, execute_tools, generate_rollouts, ppo_update, sft
 from stages.generate_rollouts.engine import GenerationEngine, open_engine
 from stages.policy import load_tokenizer, parameter_count
-from stages.ppo_update.launch import train_with_torchrun
 from stages.registry import environments
 from stages.task_mix import load_plugins, turn_limit
 
