@@ -1,5 +1,5 @@
 """ppo-update on one process and on two (ppo.world_size = 2, FSDP2 under torchrun): speed and
-peak memory per rank, through the stage's own launcher (stages.ppo_update.launch.train_with_torchrun,
+peak memory per rank, through the stage's own launcher (pipeline.launch.train_with_torchrun,
 the worker stages.ppo_update.worker), so both world sizes run the same code path.
 
     python bench/ppo_distributed.py --out bench/results/ppo_distributed_cpu.json
@@ -32,10 +32,10 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/engine.py, beside this file
 from engine import synthetic_turns  # noqa: E402
 
+from pipeline.launch import train_with_torchrun  # noqa: E402
 from pipeline.models import EMBEDDED_POLICY  # noqa: E402
 from schemas.config import RunConfig  # noqa: E402
 from stages.policy import load_tokenizer  # noqa: E402
-from stages.ppo_update.launch import train_with_torchrun  # noqa: E402
 
 
 def random_policy(directory: Path, hidden: int, layers: int) -> int:

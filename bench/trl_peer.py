@@ -55,7 +55,7 @@ def trl_child(out: Path, workdir: Path) -> None:
     from pipeline.models import resolve_model_dir
     from schemas.config import RunConfig
     from stages.environments import ENVIRONMENTS
-    from stages.tasks import rollout_starts
+    from stages.task_mix import rollout_starts
     from stages.tools import calculate
 
     imported = time.time()

@@ -19,10 +19,10 @@ import platform
 import tempfile
 from pathlib import Path
 
+from runtime.vllm_server import vllm_version
 from schemas.config import RunConfig
 from schemas.token_stream import prompt_token_ids
 from stages.generate_rollouts.engine import Request, Sampling, open_engine
-from stages.generate_rollouts.vllm_server import vllm_version
 from stages.policy import load_tokenizer
 
 

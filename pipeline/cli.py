@@ -109,7 +109,7 @@ def validate_choices(config: RunConfig) -> None:
     from stages.compute_advantages import ESTIMATORS
     from stages.generate_rollouts import ENGINES, check_context_budget
     from stages.policy import ModelError
-    from stages.tasks import check_environments, load_plugins
+    from stages.task_mix import check_environments, load_plugins
 
     try:
         load_plugins(config.task.plugins)
@@ -126,7 +126,7 @@ def validate_choices(config: RunConfig) -> None:
     if config.generation.engine not in ENGINES:
         raise UsageError(f"unknown generation engine '{config.generation.engine}'; valid: {', '.join(sorted(ENGINES))}")
     if config.generation.engine == "vllm":  # its environment (or server) is there, before a Prefect server starts
-        from stages.generate_rollouts.vllm_server import EngineError, vllm_version
+        from runtime.vllm_server import EngineError, vllm_version
 
         try:
             vllm_version(config.vllm.python, config.vllm.url)
@@ -392,7 +392,7 @@ def command_audit(args: argparse.Namespace) -> Work:
     from schemas.config import rescore_tolerance
     from stages.policy import load_tokenizer
     from stages.registry import environments, registered_tools
-    from stages.tasks import load_plugins
+    from stages.task_mix import load_plugins
 
     store = Store(args.runs_dir)
     stage, version = store.resolve(args.reference)

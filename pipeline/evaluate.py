@@ -13,7 +13,7 @@ from stages.execute_tools import execute_turn
 from stages.generate_rollouts import generate_turn
 from stages.generate_rollouts.engine import GenerationEngine
 from stages.registry import environments
-from stages.tasks import turn_limit
+from stages.task_mix import turn_limit
 
 
 def run_episodes(engine: GenerationEngine, tokenizer: Any, config: RunConfig, iteration: int = 0) -> datasets.Dataset:

@@ -16,6 +16,7 @@ while iteration i trains:
 """
 
 import contextvars
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager, nullcontext
@@ -31,6 +32,7 @@ from pipeline.runners import stage_runner
 from pipeline.stage_table import POLICY, STAGES
 from pipeline.store import Store
 from pipeline.tasks import (
+    AHEAD_THREAD,
     POLICY_ENGINE,
     execute_tools_task,
     generate_rollouts_task,
@@ -41,7 +43,7 @@ from pipeline.tasks import (
 from runtime.phases import PHASES
 from runtime.threads import use_threads
 from schemas.config import RunConfig
-from stages.tasks import load_plugins, turn_limit
+from stages.task_mix import load_plugins, turn_limit
 
 
 @flow(name="rl-iteration")
@@ -51,14 +53,15 @@ def rl_iteration(
     iteration: int | None = None,
     policy_version: str | None = None,
     plot: bool = True,
-    generate_next: bool = False,
+    generate_next: bool = True,
 ) -> dict[str, Any]:
     """One RL iteration: train `policy_version` on rollouts of the policy ppo.max_staleness updates
     before it. Without arguments: the next iteration from the store's newest policy (what a
     scheduled deployment run does). One iteration at a time per store: a file lock.
     `plot`: draw the learning curve into the summary artifact (rl-training: at its last iteration).
     `generate_next` (with max_staleness > 0): make the next iteration's experience (rollouts,
-    rewards, advantages) while this one trains; its run finds them stored."""
+    rewards, advantages) while this one trains; its run (the next in rl-training, or a
+    deployment's next run) finds them stored. rl-training's last iteration passes False."""
     use_threads(config.runner.threads)  # a deployment's run starts here, not in `mtrl`
     load_plugins(config.task.plugins)
     store = Store(config.store.runs_dir)
@@ -72,7 +75,7 @@ def rl_iteration(
 
         generating = lineage.policy_before(store, policy_version, staleness)
         advantaged = experience(config, iteration, generating, runner)
-        ahead = None
+        ahead = nullcontext()
         if generate_next and staleness > 0:  # its policy, one update less behind, is in the store already
             next_generating = lineage.policy_before(store, policy_version, staleness - 1)
             # The engine is opened or updated (and verified) here, before the thread starts: the hf
@@ -80,21 +83,30 @@ def rl_iteration(
             # while ppo-update's forward passes would run beside it (stages/policy.py: TRANSFORMERS_GLOBALS).
             POLICY_ENGINE.serving(store, config, next_generating)
             ahead = in_background(experience, config, iteration + 1, next_generating, runner)
-        with ahead or nullcontext():
-            updated = run_on("ppo-update", config, advantaged, policy=policy_version)
-
-        next_policy = store.manifest("ppo-update", updated).policy
-        prune_lineage(store, config, next_policy)
-        rewarded = store.manifest("compute-advantages", advantaged).parents["assign-rewards"]
+        try:
+            with ahead:  # the update and its bookkeeping; the next batch is made beside them
+                updated = run_on("ppo-update", config, advantaged, policy=policy_version)
+                next_policy = store.manifest("ppo-update", updated).policy
+                prune_lineage(store, config, next_policy)
+                rewarded = store.manifest("compute-advantages", advantaged).parents["assign-rewards"]
+                metrics = store.manifest("assign-rewards", rewarded).metrics
+                get_run_logger().info(
+                    "iteration %d: reward %.3f, success %.2f",
+                    iteration,
+                    metrics["reward_mean"] or 0,
+                    metrics["success_rate"] or 0,
+                )
+                publish_summary(store, next_policy, plot=plot)
+        except BackgroundError as failure:
+            # Not this iteration's failure: the next one makes its experience again (finding what
+            # the store holds) and fails as itself if the error is still there.
+            get_run_logger().warning(
+                "iteration %d's experience, made beside this update, failed (%s); iteration %d makes it again",
+                iteration + 1,
+                failure.__cause__,
+                iteration + 1,
+            )
         last_turn = store.manifest("assign-rewards", rewarded).parents["execute-tools"]
-        metrics = store.manifest("assign-rewards", rewarded).metrics
-        get_run_logger().info(
-            "iteration %d: reward %.3f, success %.2f",
-            iteration,
-            metrics["reward_mean"] or 0,
-            metrics["success_rate"] or 0,
-        )
-        publish_summary(store, next_policy, plot=plot)
     return {
         "iteration": iteration,
         "policy": policy_version,
@@ -110,15 +122,24 @@ def rl_iteration(
     }
 
 
-def experience(config: RunConfig, iteration: int, policy_version: str, runner: Any) -> str:
+def experience(
+    config: RunConfig, iteration: int, policy_version: str, runner: Any, stop: threading.Event | None = None
+) -> str:
     """Everything of an iteration before ppo-update, which reads only the generating policy (and
     the reference): its rollouts turn by turn (generate-rollouts, then execute-tools, until no
     rollout is active), their rewards and advantages, and the audit. Returns the
-    compute-advantages version (stored ones are found at once)."""
+    compute-advantages version (stored ones are found at once). `stop` (set when the thread
+    beside this one failed or was interrupted) ends it at the next turn or stage boundary."""
+
+    def check_stop() -> None:
+        if stop is not None and stop.is_set():
+            raise StoppedError(f"iteration {iteration}'s experience stopped: the thread beside it ended with an error")
+
     store = Store(config.store.runs_dir)
     last_turn: str | None = None  # the execute-tools version of the latest turn
     progress = generation_progress(iteration, turn_limit(config))
     for turn in range(turn_limit(config)):
+        check_stop()
         generated = run_stage(
             generate_rollouts_task,
             config,
@@ -131,27 +152,43 @@ def experience(config: RunConfig, iteration: int, policy_version: str, runner: A
             break
     progress.finish(f"iteration {iteration}: all rollouts stopped after {turn + 1} turn(s)")
     POLICY_ENGINE.close(unless_it_reloads=True)  # free its memory for the stages that load models
+    check_stop()
     rewarded = run_on("assign-rewards", config, last_turn, runner)
+    check_stop()
     advantaged = run_on("compute-advantages", config, rewarded)
+    check_stop()
     # ppo-update's gate, passed as soon as the batch exists (its task finds the pass): with
     # ppo.max_staleness, beside the previous update; a batch that fails is never trained on
     audit_before_training(store, advantaged, config, seed=config.seed + iteration)
     return advantaged
 
 
+class StoppedError(Exception):
+    """The work of one thread of an overlapped iteration, ended because the other one failed."""
+
+
+class BackgroundError(Exception):
+    """What the work made in the background raised (its __cause__), once the block beside it ended well."""
+
+
 @contextmanager
 def in_background(function: Callable[..., Any], *args: Any) -> Iterator[None]:
-    """Run function(*args) in a thread while the block runs, inside this flow run (its task runs
-    are this run's, shown running beside the block's), and wait for it at the block's end. Its
-    error is raised there, unless the block's own is already on its way."""
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="experience-ahead") as pool:
-        done = pool.submit(contextvars.copy_context().run, function, *args)
+    """Run function(*args, stop) in a thread while the block runs, inside this flow run (its task
+    runs are this run's, shown running beside the block's), and wait for it at the block's end.
+    The block's own error (Ctrl-C included) sets `stop` and is raised once the thread has stopped
+    at its next boundary; the thread's error is raised at the block's end as a BackgroundError."""
+    stop = threading.Event()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix=AHEAD_THREAD) as pool:
+        done = pool.submit(contextvars.copy_context().run, function, *args, stop)
         try:
             yield
+            wait([done])  # a Ctrl-C while waiting lands in the except below
         except BaseException:
+            stop.set()
             wait([done])
             raise
-        done.result()
+        if done.exception() is not None:
+            raise BackgroundError(f"{function.__name__} in the background failed") from done.exception()
 
 
 @flow(name="rl-training")

@@ -18,7 +18,7 @@ from runtime.cache import cache_dir
 from runtime.hashing import file_digest, version_key
 from schemas.config import RunConfig
 from stages.policy import ModelError, load_tokenizer
-from stages.tasks import check_tools_reach_the_model
+from stages.task_mix import check_tools_reach_the_model
 
 EMBEDDED_POLICY = Path(__file__).resolve().parent / "embedded" / "policy"
 # Templates mtrl ships, by the name model.chat_template gives them.

@@ -6,7 +6,7 @@
   `runner.shards` Ray tasks (tool calls are independent per row); without Ray to run on, an
   error (RunnerError), never a quiet run in this process. Generation and training stay in the
   process that holds the model (training on several nodes, ppo.nodes > 1, runs its own torchrun
-  job on the cluster at `runner.ray_address`: stages/ppo_update/launch.py). The runner changes where
+  job on the cluster at `runner.ray_address`: pipeline/launch.py). The runner changes where
   a stage runs, never its version or its bytes.
 
 Which stages may run on Ray is the stage table's `distributed` (pipeline/stage_table.py).
@@ -106,7 +106,7 @@ def map_row_shards(
     if not ray.is_initialized():
         raise RunnerError(
             "runner 'ray', but this process is not connected to Ray: with the ray runner a stage runs as a "
-            "Ray task, submitted by pipeline.flows.run_stage to the runner that stage_runner starts; "
+            "Ray task, submitted by pipeline.tasks.run_stage to the runner that stage_runner starts; "
             "runner.kind: thread runs it in this process"
         )
     shards = min(config.shards, len(rows))

@@ -106,7 +106,7 @@ def _sft_task(config: RunConfig) -> dict[str, Any]:
 def _engine_version(config: RunConfig) -> str | None:
     if config.generation.engine != "vllm":
         return None  # the in-process engine's libraries are the shaping libraries
-    from stages.generate_rollouts.vllm_server import vllm_version
+    from runtime.vllm_server import vllm_version
 
     return vllm_version(config.vllm.python, config.vllm.url)
 
@@ -137,7 +137,7 @@ STAGES: dict[str, Stage] = {
             config=("generation", "task", "seed", "model.dtype"),
             derived=("device", "environment_code", "engine_version"),
             # with the worker extension the vLLM servers mtrl starts load each policy through
-            code=("stages/generate_rollouts", "stages/generate_rollouts/vllm_extension", "stages/tasks.py"),
+            code=("stages/generate_rollouts", "stages/generate_rollouts/vllm_extension", "stages/task_mix.py"),
         ),
         Stage(
             name="execute-tools",
@@ -187,9 +187,9 @@ STAGES: dict[str, Stage] = {
             # both are parents: an update of the same rollouts and policy is the same update.
             placement=("ppo.nodes", "ppo.collective_timeout_s", "ppo.max_staleness"),
             derived=("device", "fresh_optimizer"),
-            # the update and, with ppo.world_size > 1, the worker each rank runs; not the launcher
-            # (launch.py: where the ranks run, as ppo.nodes)
-            code=("stages/ppo_update/__init__.py", "stages/ppo_update/worker.py"),
+            # the update and, with ppo.world_size > 1, the worker each rank runs (the launcher that
+            # decides where they run is pipeline/launch.py, as ppo.nodes is placement)
+            code=("stages/ppo_update",),
             rerun_from="compute-advantages",
             writes_policy=True,
         ),

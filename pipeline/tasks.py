@@ -19,6 +19,7 @@ import functools
 import os
 import shutil
 import socket
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,7 @@ from prefect import get_run_logger, task
 from pipeline import artifacts, lineage, retention
 from pipeline.artifacts import ppo_progress, publish_stage, turn_progress
 from pipeline.audit import audit_before_training
+from pipeline.launch import train_with_torchrun
 from pipeline.models import resolve_model, starting_tokenizer
 from pipeline.runners import map_row_shards
 from pipeline.stage_table import POLICY, STAGES
@@ -44,9 +46,8 @@ from schemas.token_stream import chat_template_hash
 from stages import assign_rewards, compute_advantages, execute_tools, generate_rollouts, ppo_update, sft
 from stages.generate_rollouts.engine import GenerationEngine, open_engine
 from stages.policy import load_tokenizer, parameter_count
-from stages.ppo_update.launch import train_with_torchrun
 from stages.registry import environments
-from stages.tasks import load_plugins, turn_limit
+from stages.task_mix import load_plugins, turn_limit
 
 POLICY_CODE_VERSION = "1"  # the layout of a stored policy (a save_pretrained folder + optimiser state)
 # a stage run's config (ppo-update: store.fresh_optimizer_if_pruned resolved), parents (stage -> version), position
@@ -341,6 +342,9 @@ def compute_advantages_task(
     }
 
 
+AHEAD_THREAD = "experience-ahead"  # the thread of pipeline.flows.in_background: the next batch, made beside ppo-update
+
+
 @stage_task("ppo-update")
 def ppo_update_task(
     store: Store, config: RunConfig, version: str, parents: dict[str, str], iteration: int
@@ -365,7 +369,11 @@ def ppo_update_task(
     work = store.root / "ppo-update" / f"{TMP_PREFIX}{version}-train-{os.getpid()}-{uuid4().hex[:8]}"
     placement: dict[str, Any] = {}  # several processes: where each rank ran
     try:
-        with peak_memory() as memory:  # this stage's own peak (resident set; CUDA allocator)
+        # the resident set is the process's: with ppo.max_staleness the next batch, made in a thread
+        # beside this one, counts too (memory.scope says so; torchrun's ranks measure only themselves)
+        beside = [thread.name for thread in threading.enumerate() if thread.name.startswith(AHEAD_THREAD)]
+        with peak_memory() as memory:
+            memory["scope"] = "the process, with the next batch made beside it" if beside else "this stage"
             if config.ppo.world_size == 1:
                 trained = ppo_update.train_policy(
                     turns,
@@ -387,7 +395,7 @@ def ppo_update_task(
                 # the largest rank's peak, as one process reports its own; then each rank's
                 ranks = trained.memory_per_rank
                 memory = {name: max(rank[name] for rank in ranks) for name in ("rss_before_mb", "peak_rss_mb")}
-                memory["ranks"] = ranks
+                memory.update(ranks=ranks, scope="the largest rank")
                 placement["nodes"] = trained.nodes
         next_policy, policy_files = write_trained_policy(store, "ppo-update", version, trained.save, iteration)
     finally:

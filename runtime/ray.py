@@ -1,6 +1,6 @@
 """Ray, imported and connected the same way by everything in mtrl that uses it: the ray runner of
 the tool and reward stages (pipeline/runners.py) and ppo-update on several nodes
-(stages/ppo_update/launch.py)."""
+(pipeline/launch.py)."""
 
 from __future__ import annotations
 

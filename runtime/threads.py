@@ -17,10 +17,10 @@ import sys
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
-def default_threads() -> int:
-    """Half the machine's cores per process, at least one: the rest stays free for what runs
-    beside the process that computes (mtrl's Prefect server, tool workers, the OS)."""
-    return max(1, (os.cpu_count() or 1) // 2)
+def default_threads(cores: int | None = None) -> int:
+    """Half the cores (default: this machine's) per process, at least one: the rest stays free for
+    what runs beside the process that computes (mtrl's Prefect server, tool workers, the OS)."""
+    return max(1, (cores or os.cpu_count() or 1) // 2)
 
 
 def use_threads(count: int | None) -> int:

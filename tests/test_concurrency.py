@@ -92,6 +92,18 @@ with get_client(sync_client=True) as client:  # what a flow does first: start a 
 """
 
 
+def waits_for_lock(pid: int, inode: int) -> bool:
+    """Whether process PID is blocked on a flock of the file INODE (Linux lists waiters in /proc/locks
+    after "->": "1: -> FLOCK ADVISORY WRITE PID MAJOR:MINOR:INODE 0 EOF")."""
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if "->" in fields and fields[fields.index("->") + 1] == "FLOCK":
+            owner, device = fields[fields.index("->") + 4], fields[fields.index("->") + 5]
+            if owner == str(pid) and device.rsplit(":", 1)[-1] == str(inode):
+                return True
+    return False
+
+
 def test_a_run_starts_its_prefect_server_only_while_no_other_is_starting_on_its_database(tmp_path):
     """Temporary servers that start at once on a new database all run its migrations and all but
     one fail ("database is locked"; Prefect restarts them after a traceback): one at a time."""
@@ -104,7 +116,12 @@ def test_a_run_starts_its_prefect_server_only_while_no_other_is_starting_on_its_
         while "imported" not in log.read_text() and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert "imported" in log.read_text(), log.read_text()[-6000:]
-        time.sleep(3)  # ample time to start a server (without waiting, it says so at once)
+        inode = os.fstat(lock.fileno()).st_ino
+        while not waits_for_lock(process.pid, inode) and time.monotonic() < deadline:
+            if process.poll() is not None or "Starting temporary server" in log.read_text():
+                break  # it did not wait
+            time.sleep(0.05)
+        assert waits_for_lock(process.pid, inode)  # blocked on the lock the test holds
         assert "Starting temporary server" not in log.read_text()
         assert process.poll() is None
     assert process.wait(timeout=120) == 0, log.read_text()[-6000:]  # the lock is free: it starts now

@@ -26,12 +26,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from pipeline.launch import TrainingProcessError
 from pipeline.stage_table import POLICY
 from pipeline.store import Store
 from schemas.config import RunConfig
 from stages.policy import ValueHead, load_model
 from stages.ppo_update.checkpoint import OPTIMIZER_FILE
-from stages.ppo_update.launch import TrainingProcessError
 
 # Measured here (torch 2.13 CPU, 2 ranks): weights differ by at most 2.9e-6 after 2 epochs at lr 1e-4
 # (a step moves a weight by about 1e-4), AdamW moments by 6e-9, metrics by 5e-6 (ratio_max).
@@ -344,7 +344,7 @@ def root_cause(time: str, rank: int, exitcode: int) -> list[str]:
 def test_the_failure_names_the_rank_torchrun_reports_first_and_quotes_its_last_lines():
     from collections import deque
 
-    from stages.ppo_update.launch import failure_message
+    from pipeline.launch import failure_message
 
     tails = {
         "node 0": deque(root_cause("2026-11-25_10:03:12", 1, 1)),
@@ -361,7 +361,7 @@ def test_over_several_nodes_the_failure_is_the_earliest_root_cause_and_names_its
     whichever torchrun ends first, the earliest report names the rank that died first."""
     from collections import deque
 
-    from stages.ppo_update.launch import Job, failure_message
+    from pipeline.launch import Job, failure_message
 
     job = Job([{"address": "10.0.0.1"}, {"address": "10.0.0.2"}], iter(()))
     tails = {
@@ -380,7 +380,7 @@ def test_over_several_nodes_the_failure_is_the_earliest_root_cause_and_names_its
 
 
 def test_a_node_that_cannot_see_the_runs_directory_says_so(tmp_path):
-    from stages.ppo_update.launch import torchrun_on_node
+    from pipeline.launch import torchrun_on_node
 
     with pytest.raises(TrainingProcessError, match="must be on a filesystem every node sees"):
         next(torchrun_on_node(str(tmp_path / "elsewhere" / "request.json"), 2, 1, "127.0.0.1:1"))

@@ -36,7 +36,8 @@ def documents() -> dict[str, str]:
 
 @functools.cache
 def top_level_names(path: Path) -> set[str]:
-    """Names a module defines or imports at its top level."""
+    """Names a module defines at its top level (not those it imports: a docs reference names where a
+    thing is defined)."""
     names = set()
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
@@ -44,8 +45,6 @@ def top_level_names(path: Path) -> set[str]:
         elif isinstance(node, ast.Assign | ast.AnnAssign):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names |= {t.id for t in targets if isinstance(t, ast.Name)}
-        elif isinstance(node, ast.Import | ast.ImportFrom):
-            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
     return names
 
 

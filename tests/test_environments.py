@@ -19,7 +19,7 @@ from stages.execute_tools.calls import ToolCall, run_tool_calls
 from stages.generate_rollouts.hf import HFEngine
 from stages.policy import eos_token_ids
 from stages.registry import environments
-from stages.tasks import rollout_starts
+from stages.task_mix import rollout_starts
 from stages.tools import TOOLS, tool_schema
 
 
@@ -182,7 +182,7 @@ def test_the_prompt_lists_the_environments_tools(tiny):
 
 def test_a_plugin_registers_a_tool_and_an_environment(tiny):
     from stages.registry import environment_code
-    from stages.tasks import load_plugins
+    from stages.task_mix import load_plugins
 
     load_plugins(["plugin_countdown"])
     try:

@@ -10,6 +10,11 @@
 from __future__ import annotations
 
 import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -107,9 +112,9 @@ def test_stages_never_import_each_other():
 
 # Per stage: files its version must hash, and files it must not (they do not shape its output).
 MUST = {
-    "generate-rollouts": {"stages/tasks.py", "stages/registry.py", "stages/tools.py", "stages/environments.py",
+    "generate-rollouts": {"stages/task_mix.py", "stages/registry.py", "stages/tools.py", "stages/environments.py",
                           "stages/policy.py",
-                          "stages/generate_rollouts/hf.py", "stages/generate_rollouts/vllm_server.py",
+                          "stages/generate_rollouts/hf.py", "stages/generate_rollouts/vllm_engine.py",
                           "stages/generate_rollouts/vllm_extension/mtrl_vllm_extension.py"},
     "execute-tools": {"stages/execute_tools/calls.py", "stages/registry.py", "stages/tools.py",
                       "stages/environments.py", "stages/python_tool.py"},
@@ -125,17 +130,17 @@ MUST_NOT = {
     # the tool sandbox runs calls: generation renders the tools' schemas only
     "generate-rollouts": {"stages/execute_tools/calls.py", "stages/execute_tools/worker.py", "stages/sharding.py",
                           "stages/ppo_update/__init__.py", "stages/compute_advantages.py"},
-    # the vLLM launcher and the HF engine generate; tools never need them. An ecosystem adapter is hashed
+    # the vLLM and HF engines generate; tools never need them. An ecosystem adapter is hashed
     # through its task's environment code, in the runs that use it only (stages/registry.py)
-    "execute-tools": {"stages/generate_rollouts/vllm_server.py", "stages/generate_rollouts/hf.py",
-                      "stages/generate_rollouts/__init__.py", "stages/tasks.py", "stages/policy.py",
+    "execute-tools": {"stages/generate_rollouts/vllm_engine.py", "stages/generate_rollouts/hf.py",
+                      "stages/generate_rollouts/__init__.py", "stages/task_mix.py", "stages/policy.py",
                       "stages/ecosystem/reasoning_gym.py", "stages/ecosystem/textarena.py",
                       "stages/ecosystem/openenv.py", "stages/ecosystem/mcp.py"},
     "assign-rewards": {"stages/execute_tools/calls.py", "stages/policy.py", "stages/generate_rollouts/__init__.py"},
     "compute-advantages": {"stages/ppo_update/__init__.py", "stages/sharding.py", "stages/generate_rollouts/hf.py"},
-    # the torchrun/Ray launcher decides where the ranks run, as ppo.nodes does; the memory sampler measures
-    "ppo-update": {"stages/ppo_update/launch.py", "runtime/torchrun.py", "runtime/memory.py",
-                   "runtime/processes.py", "stages/generate_rollouts/__init__.py"},
+    # (the torchrun/Ray launcher, pipeline/launch.py, decides where the ranks run, as ppo.nodes does:
+    # like all of pipeline/ and runtime/ it is never hashed, which the test below checks for every stage)
+    "ppo-update": {"stages/generate_rollouts/__init__.py"},
     # it starts from an imported model: no rollouts, no tool sandbox, no PPO optimiser state
     "sft": {"stages/ppo_update/__init__.py", "stages/ppo_update/checkpoint.py", "stages/generate_rollouts/__init__.py",
             "stages/execute_tools/calls.py", "stages/sharding.py"},
@@ -159,3 +164,43 @@ def test_runtime_and_pipeline_are_never_followed_into_a_closure(tmp_path):
     )
     closure = {str(path) for path in module_closure([user], ROOT, HASHED_PACKAGES)}
     assert closure == {str(user), str(ROOT / "schemas/features.py")}
+
+
+STAGE_VERSIONS = """
+import json
+from pipeline.stage_table import STAGES
+from pipeline.tasks import stage_version
+from schemas.config import RunConfig
+print(json.dumps({name: stage_version(RunConfig(), name, {}, {}) for name in STAGES}))
+"""
+
+
+@pytest.mark.slow
+def test_editing_the_vllm_server_process_versions_nothing_and_editing_the_vllm_engine_versions_rollouts(tmp_path):
+    """In a copy of mtrl: a log line added to runtime/vllm_server.py (how the server process starts,
+    is watched and stops) leaves every stage's version; one added to the engine (what it asks the
+    server for) gives generate-rollouts a new one, on the hf engine too (the module registers vllm)."""
+    copy = tmp_path / "mtrl"
+    for package in HASHED_PACKAGES + ("pipeline", "runtime"):
+        shutil.copytree(ROOT / package, copy / package, ignore=shutil.ignore_patterns("__pycache__"))
+
+    def versions() -> dict[str, str]:
+        env = {**os.environ, "PYTHONPATH": str(copy)}
+        done = subprocess.run(
+            [sys.executable, "-c", STAGE_VERSIONS], cwd=copy, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    def edit(path: str) -> None:
+        (copy / path).write_text((copy / path).read_text() + '\nLOG_NAME = "vllm-server.log"  # an edit\n')
+
+    before = versions()
+    edit("runtime/vllm_server.py")
+    assert versions() == before
+    edit("stages/generate_rollouts/vllm_engine.py")
+    after = versions()
+    assert after["generate-rollouts"] != before["generate-rollouts"]
+    assert {name: v for name, v in after.items() if name != "generate-rollouts"} == {
+        name: v for name, v in before.items() if name != "generate-rollouts"
+    }

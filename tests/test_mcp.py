@@ -21,7 +21,7 @@ from schemas.config import RunConfig
 from schemas.token_stream import prompt_token_ids
 from stages.execute_tools.calls import ToolCall, run_tool_calls
 from stages.registry import environment_code, registered_tools
-from stages.tasks import check_environments, rollout_starts
+from stages.task_mix import check_environments, rollout_starts
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = str(Path(__file__).with_name("mcp_server.py"))

@@ -22,7 +22,7 @@ from schemas.features import GENERATE_ROLLOUTS, dataset_from_rows
 from stages.ecosystem.openenv import ReplayError
 from stages.execute_tools import execute_tools
 from stages.registry import environment
-from stages.tasks import check_environments
+from stages.task_mix import check_environments
 
 ROOT = Path(__file__).resolve().parent.parent
 GUESS, CALC = "openenv/guess", "openenv/calc"

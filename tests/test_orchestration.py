@@ -51,10 +51,26 @@ def prefect(env: dict, *args: str, cwd: Path = ROOT, timeout: float = 300) -> st
 
 
 @pytest.mark.slow
-def test_serve_then_two_triggered_runs_chain_iterations(prefect_server_env, tmp_path):
+def test_serve_then_two_triggered_runs_chain_iterations_and_overlap(prefect_server_env, tmp_path):
+    """Two runs of `mtrl serve`'s deployment with ppo.max_staleness=1: each trains the newest policy,
+    and the first makes the second's batch beside its ppo-update (the second finds it stored)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     runs, log = tmp_path / "runs", tmp_path / "serve.log"
     serving = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "serve", "--runs-dir", str(runs), *SMALL],
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "serve",
+            "--runs-dir",
+            str(runs),
+            *SMALL,
+            "--set",
+            "ppo.max_staleness=1",
+        ],
         env=prefect_server_env,
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
@@ -89,6 +105,20 @@ def test_serve_then_two_triggered_runs_chain_iterations(prefect_server_env, tmp_
     assert [m.iteration for m in policies] == [-1, 0, 1]
     second_update = store.manifest("ppo-update", policies[2].parents["ppo-update"])
     assert second_update.parents["policy"] == policies[1].version  # iteration 1 trained iteration 0's policy
+    with temporary_settings({PREFECT_API_URL: prefect_server_env["PREFECT_API_URL"]}):
+        with get_client(sync_client=True) as client:
+            flow_runs = [
+                run
+                for run in client.read_flow_runs()
+                if run.parameters.get("config", {}).get("store", {}).get("runs_dir") == str(runs)
+            ]
+            first = min(flow_runs, key=lambda run: run.start_time)
+            task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[first.id])))
+    (update,) = [run for run in task_runs if run.name.startswith("ppo-update")]
+    batch_made = min(run.end_time for run in task_runs if run.name.startswith("compute-advantages"))
+    ahead = [run for run in task_runs if run.name.startswith("generate-rollouts") and run.start_time >= batch_made]
+    assert ahead and min(run.start_time for run in ahead) < update.end_time  # iteration 1's turns, beside the update
+    assert len(ahead) == len([m for m in store.versions("generate-rollouts") if m.iteration == 1])
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from pipeline.store import Store
 from schemas.config import RunConfig
 from stages.registry import environment, environment_code, environments
 from stages.sft import check_demonstrations, demonstration_sequence, demonstrators
-from stages.tasks import check_environments, rollout_starts
+from stages.task_mix import check_environments, rollout_starts
 
 # Cheap generators whose scorer gives an answer without the gold one in it no partial credit (some do).
 GENERATORS = (

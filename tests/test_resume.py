@@ -1,7 +1,7 @@
 """Kill a real `mtrl run` with SIGKILL at random moments, restart it each time, and check it ends
 with exactly the versions and bytes of an uninterrupted run: the synchronous loop (10 kills), and
 with ppo.max_staleness=1, where the next iteration generates while one trains (6 kills; `mtrl diff`
-too, for both). Slow: ~4 minutes."""
+too, for both); and Ctrl-C while the next batch is made beside an update. Slow: ~4 minutes."""
 
 from __future__ import annotations
 
@@ -53,14 +53,28 @@ def contents(runs_dir: Path) -> dict[str, dict]:
     return {f"{m.stage}/{m.version}": m.files for m in store.versions()}
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, prefect_server_env):
+    """uninterrupted(staleness): the runs dir of a run never interrupted (made once per module)."""
+    made: dict[int, Path] = {}
+
+    def run(staleness: int) -> Path:
+        if staleness not in made:
+            runs_dir = tmp_path_factory.mktemp(f"uninterrupted-{staleness}")
+            assert start(runs_dir, prefect_server_env, staleness).wait(timeout=600) == 0
+            made[staleness] = runs_dir
+        return made[staleness]
+
+    return run
+
+
 @pytest.mark.parametrize("staleness, kill_count", [(0, 10), (1, 6)])
 def test_sigkill_at_random_moments_then_resume_gives_the_uninterrupted_data(
-    tmp_path, prefect_server_env, staleness, kill_count, capsys
+    tmp_path, prefect_server_env, uninterrupted, staleness, kill_count, capsys
 ):
     # One real Prefect server outlives the kills, so a restart costs its imports, not a server start.
-    reference = start(tmp_path / "reference", prefect_server_env, staleness)
-    assert reference.wait(timeout=600) == 0
-    expected = contents(tmp_path / "reference")
+    reference = uninterrupted(staleness)
+    expected = contents(reference)
 
     # Each kill lands at a random moment shortly after the run has made progress (a new version
     # appeared), so that kills fall inside stages of every kind, not only during start-up.
@@ -85,7 +99,7 @@ def test_sigkill_at_random_moments_then_resume_gives_the_uninterrupted_data(
     assert kills == sorted(kills) and kills[-1] < len(expected)  # progress between kills, not finished
     assert [p for p in faulted.rglob(".tmp-*")] == []  # cleaned by the restarts (their writers are dead)
     assert contents(faulted) == expected
-    assert main(["diff", str(tmp_path / "reference"), str(faulted)]) == 0
+    assert main(["diff", str(reference), str(faulted)]) == 0
     assert capsys.readouterr().out.strip().endswith(" 0 different")
     replays = [m.extra("replay") for m in Store(faulted).versions("generate-rollouts") if m.extra("replay")]
     assert all(r["max_abs_logprob_difference"] == 0.0 for r in replays)
@@ -93,3 +107,33 @@ def test_sigkill_at_random_moments_then_resume_gives_the_uninterrupted_data(
 
 def list_versions(runs_dir: Path) -> list[dict]:
     return Store(runs_dir).versions() if runs_dir.exists() else []
+
+
+def test_ctrl_c_beside_an_update_stops_the_batch_made_ahead_within_a_turn_and_the_command_resumes(
+    tmp_path, prefect_server_env, uninterrupted, capsys
+):
+    """With ppo.max_staleness=1, iteration 1's batch is made while iteration 0 trains. Ctrl-C (SIGINT
+    to the run's process group, as a terminal sends it) stops that batch at its next turn boundary
+    instead of letting it run to its end, and the same command then resumes to the uninterrupted data."""
+    reference = uninterrupted(1)
+    runs_dir = tmp_path / "interrupted"
+    process = start(runs_dir, prefect_server_env, 1)
+    deadline = time.monotonic() + 300
+    while process.poll() is None and generated_turns(runs_dir, iteration=1) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert process.poll() is None, "the run ended before iteration 1's batch began"
+    os.killpg(process.pid, signal.SIGINT)
+    turns_at_signal = generated_turns(runs_dir, iteration=1)
+    assert process.wait(timeout=120) != 0
+    # the turn in flight ends (one more may have begun before the signal landed); no later one starts,
+    # and the batch is not finished (before, it ran to its end: all its turns, rewards, advantages)
+    assert generated_turns(runs_dir, iteration=1) <= turns_at_signal + 1
+    assert not [m for m in Store(runs_dir).versions("assign-rewards") if m.iteration == 1]
+    assert start(runs_dir, prefect_server_env, 1).wait(timeout=600) == 0
+    assert contents(runs_dir) == contents(reference)
+    assert main(["diff", str(reference), str(runs_dir)]) == 0
+    assert capsys.readouterr().out.strip().endswith(" 0 different")
+
+
+def generated_turns(runs_dir: Path, iteration: int) -> int:
+    return len([m for m in list_versions(runs_dir) if m.stage == "generate-rollouts" and m.iteration == iteration])

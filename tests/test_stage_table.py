@@ -122,7 +122,7 @@ def test_a_run_of_mtrls_own_tasks_imports_no_ecosystem_package():
 
     code = (
         "import sys\nfrom schemas.config import RunConfig\nfrom pipeline.tasks import stage_version\n"
-        "from stages.tasks import check_environments, rollout_starts\n"
+        "from stages.task_mix import check_environments, rollout_starts\n"
         "config = RunConfig(task={'name': 'calculator,weather,guess-number'})\n"
         "check_environments(config); rollout_starts(config, 0)\n"
         "for stage in ('generate-rollouts', 'execute-tools', 'assign-rewards', 'sft'):\n"

@@ -5,6 +5,8 @@ policy with the decoupled loss."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pipeline.flows import rl_training
@@ -46,6 +48,9 @@ def test_iteration_i_is_generated_by_policy_i_minus_k_and_trains_policy_i(
         assert update.extra("audit")["rescore_max_abs_diff"] <= 1e-3
         # the decoupled loss: old logprobs are the trained policy's own, recomputed, when it did not generate
         assert update.extra("old_logprobs") == ("recomputed" if i > 0 else "generation")
+        # its memory figure is the process's while the next batch was made beside it (not at the last)
+        beside = "the process, with the next batch made beside it"
+        assert update.extra("memory")["scope"] == ("this stage" if i == iterations - 1 else beside)
         assert {m.extra("staleness") for m in store.versions("generate-rollouts") if m.iteration == i} == {
             i - max(0, i - staleness)
         }
@@ -111,3 +116,49 @@ def test_a_value_head_and_lora_adapters_built_beside_the_next_batch_give_the_sam
     capsys.readouterr()
     assert main(["diff", *runs]) == 0
     assert capsys.readouterr().out.strip().endswith(" 0 different")
+
+
+def test_an_audit_failure_in_the_batch_made_ahead_fails_its_own_iteration_after_the_update_beside_it(
+    small_config, prefect_server, monkeypatch
+):
+    """Iteration 2's batch, made beside iteration 1's update, fails the audit (planted by the test):
+    rl-iteration 1 still completes (update stored, AdamW states pruned, summary written) and the
+    failure is rl-iteration 2's, which makes the batch again (its turns found stored)."""
+    from prefect.client.orchestration import get_client
+
+    from pipeline import flows
+    from pipeline.audit import AuditError
+    from pipeline.retention import pruned_optimizer_state
+
+    config = small_config.with_overrides({"store.keep_optimizer_state": 1})
+    audited = []
+
+    def audit_failing_iteration_2(store, version, config, seed, turns=None):
+        audited.append(seed - config.seed)
+        if seed == config.seed + 2:
+            raise AuditError(f"compute-advantages/{version} fails the audit: planted by the test")
+        return real_audit(store, version, config, seed, turns)
+
+    real_audit = flows.audit_before_training
+    monkeypatch.setattr(flows, "audit_before_training", audit_failing_iteration_2)
+    with pytest.raises(AuditError, match="planted by the test"):
+        train(config, staleness=1, iterations=3)
+    # each batch ahead (beside the update before it), then again by its own iteration (found stored)
+    assert audited == [0, 1, 1, 2, 2]
+    store = Store(config.store.runs_dir)
+    updates = sorted(store.versions("ppo-update"), key=lambda m: m.iteration)
+    assert [m.iteration for m in updates] == [0, 1]
+    policy_1, policy_2 = updates[0].policy, updates[1].policy
+    assert pruned_optimizer_state(store, policy_1) is not None and pruned_optimizer_state(store, policy_2) is None
+    summary = json.loads((config.store.runs_dir / "report" / "summary.json").read_text())
+    assert [row["iteration"] for row in summary] == [0, 1]
+    runs_dir = str(config.store.runs_dir)
+    with get_client(sync_client=True) as client:
+        states = {
+            run.parameters["iteration"]: run.state.type.value
+            for run in client.read_flow_runs()
+            if run.flow_id
+            and run.parameters.get("config", {}).get("store", {}).get("runs_dir") == runs_dir
+            and "iteration" in run.parameters
+        }
+    assert states == {0: "COMPLETED", 1: "COMPLETED", 2: "FAILED"}

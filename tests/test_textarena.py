@@ -16,7 +16,7 @@ from pipeline.store import Store
 from schemas.config import RunConfig
 from stages.ecosystem.textarena import ReplayError
 from stages.registry import environment
-from stages.tasks import check_environments
+from stages.task_mix import check_environments
 
 GUESS = "textarena/GuessTheNumber-v0"
 # single-player games that go on after a reply that is not a move (an invalid move is warned about first)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from runtime.threads import default_threads
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,5 +45,6 @@ def test_the_thread_setting_reaches_this_process_its_tool_workers_and_its_prefec
     assert seen == {"torch": 1, "tool_worker": "1", "prefect_server": "1"}
 
 
-def test_the_default_leaves_half_the_cores_free():
-    assert default_threads() == max(1, (os.cpu_count() or 1) // 2)
+@pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (3, 1), (4, 2), (16, 8)])
+def test_the_default_leaves_half_the_cores_free(cores, threads):
+    assert default_threads(cores) == threads

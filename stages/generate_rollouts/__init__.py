@@ -26,9 +26,9 @@ from schemas.token_stream import (
     prompt_token_ids,
     rollouts,
 )
-from stages.generate_rollouts import hf, vllm_server  # noqa: F401  (register the "hf" and "vllm" engines)
+from stages.generate_rollouts import hf, vllm_engine  # noqa: F401  (register the "hf" and "vllm" engines)
 from stages.generate_rollouts.engine import ENGINES, Completion, GenerationEngine, Request, Sampling
-from stages.tasks import rollout_starts
+from stages.task_mix import rollout_starts
 
 __all__ = ["ENGINES", "generate_rollouts", "generate_turn", "provenance", "sampling_seed", "split_thinking"]
 
@@ -156,7 +156,7 @@ def generate_turn(
     report_progress: Callable[[float], None] | None = None,
 ) -> tuple[datasets.Dataset, dict[str, Any] | None]:
     """generate-rollouts for one turn of an iteration, configured by the run config: at turn 0
-    the iteration's tasks (stages/tasks.py), later the rollouts of `history` still going on."""
+    the iteration's tasks (stages/task_mix.py), later the rollouts of `history` still going on."""
     return generate_rollouts(
         engine,
         tokenizer,

@@ -12,7 +12,7 @@ Read top to bottom:
   4. train_policy: the stage, from a stored policy to the next one.
 
 Loading and scoring a policy (logprobs, values, KL estimators) are stages/policy.py's; saving it
-with its AdamW state is checkpoint.py's. With ppo.world_size > 1, launch.py starts the ranks
+with its AdamW state is checkpoint.py's. With ppo.world_size > 1, pipeline/launch.py starts the ranks
 under torchrun (here or on Ray nodes) and each runs worker.py, which calls train_policy.
 Convention: logprob = log_softmax(logits / temperature)[token], as at generation time.
 """

