@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from pipeline.config_docs import config_fields, config_markdown, config_table
 from runtime import interpreter
+from runtime.interrupt import remember_interrupts
 from runtime.phases import PHASES
 from runtime.threads import use_threads
 from schemas.config import RunConfig, deep_merge
@@ -597,6 +598,7 @@ def main(argv: list[str] | None = None, as_command: bool = False) -> int:
 
 def entry() -> NoReturn:
     """The `mtrl` command: main(), then an exit without the interpreter's teardown."""
+    remember_interrupts()  # a Ctrl-C that Prefect would swallow still stops the run
     interpreter.exit_without_teardown(main(as_command=True))
 
 

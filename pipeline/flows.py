@@ -40,6 +40,7 @@ from pipeline.tasks import (
     run_stage,
     starting_policy,
 )
+from runtime.interrupt import INTERRUPTED
 from runtime.phases import PHASES
 from runtime.threads import use_threads
 from schemas.config import RunConfig
@@ -132,8 +133,10 @@ def experience(
     beside this one failed or was interrupted) ends it at the next turn or stage boundary."""
 
     def check_stop() -> None:
+        if INTERRUPTED.is_set():  # a Ctrl-C, even one Prefect swallowed (runtime/interrupt.py)
+            raise KeyboardInterrupt
         if stop is not None and stop.is_set():
-            raise StoppedError(f"iteration {iteration}'s experience stopped: the thread beside it ended with an error")
+            raise StoppedError(f"iteration {iteration}'s experience stopped: the thread beside it failed")
 
     store = Store(config.store.runs_dir)
     last_turn: str | None = None  # the execute-tools version of the latest turn
@@ -207,6 +210,8 @@ def rl_training(config: RunConfig) -> list[dict[str, Any]]:
     with stage_runner(config.runner), flow_heartbeats(enabled=False):
         try:
             for iteration in range(config.iterations):
+                if INTERRUPTED.is_set():
+                    raise KeyboardInterrupt
                 last = iteration == config.iterations - 1
                 results.append(rl_iteration(config, iteration, policy_version, plot=last, generate_next=not last))
                 policy_version = results[-1]["next_policy"]

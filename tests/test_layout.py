@@ -195,7 +195,10 @@ def test_editing_the_vllm_server_process_versions_nothing_and_editing_the_vllm_e
     def edit(path: str) -> None:
         (copy / path).write_text((copy / path).read_text() + '\nLOG_NAME = "vllm-server.log"  # an edit\n')
 
-    before = versions()
+    from pipeline.tasks import stage_version
+    from schemas.config import RunConfig
+
+    before = {name: stage_version(RunConfig(), name, {}, {}) for name in STAGES}  # this tree's: the same files
     edit("runtime/vllm_server.py")
     assert versions() == before
     edit("stages/generate_rollouts/vllm_engine.py")

@@ -1,7 +1,8 @@
 """Kill a real `mtrl run` with SIGKILL at random moments, restart it each time, and check it ends
 with exactly the versions and bytes of an uninterrupted run: the synchronous loop (10 kills), and
 with ppo.max_staleness=1, where the next iteration generates while one trains (6 kills; `mtrl diff`
-too, for both); and Ctrl-C while the next batch is made beside an update. Slow: ~4 minutes."""
+too, for both; with K = 1 a Ctrl-C while the next batch is made beside an update comes first). Slow:
+~4 minutes."""
 
 from __future__ import annotations
 
@@ -80,6 +81,8 @@ def test_sigkill_at_random_moments_then_resume_gives_the_uninterrupted_data(
     # appeared), so that kills fall inside stages of every kind, not only during start-up.
     rng = random.Random(1234)
     faulted = tmp_path / "faulted"
+    if staleness == 1:  # first a Ctrl-C while the next batch is made beside an update; the kills resume it
+        interrupt_the_batch_made_ahead(faulted, prefect_server_env)
     kills = []
     while len(kills) < kill_count:
         before = len(list_versions(faulted))
@@ -109,31 +112,27 @@ def list_versions(runs_dir: Path) -> list[dict]:
     return Store(runs_dir).versions() if runs_dir.exists() else []
 
 
-def test_ctrl_c_beside_an_update_stops_the_batch_made_ahead_within_a_turn_and_the_command_resumes(
-    tmp_path, prefect_server_env, uninterrupted, capsys
-):
-    """With ppo.max_staleness=1, iteration 1's batch is made while iteration 0 trains. Ctrl-C (SIGINT
-    to the run's process group, as a terminal sends it) stops that batch at its next turn boundary
-    instead of letting it run to its end, and the same command then resumes to the uninterrupted data."""
-    reference = uninterrupted(1)
-    runs_dir = tmp_path / "interrupted"
-    process = start(runs_dir, prefect_server_env, 1)
+def interrupt_the_batch_made_ahead(runs_dir: Path, env: dict) -> None:
+    """With ppo.max_staleness=1, iteration 1's batch is made while iteration 0 trains. Ctrl-C (SIGINT to
+    the run's process group, as a terminal sends it) as soon as its first turn is stored: the run exits
+    with an error, and the batch stops at its next turn boundary instead of running to its end."""
+    process = start(runs_dir, env, 1)
     deadline = time.monotonic() + 300
     while process.poll() is None and generated_turns(runs_dir, iteration=1) == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
+        time.sleep(0.005)
     assert process.poll() is None, "the run ended before iteration 1's batch began"
     os.killpg(process.pid, signal.SIGINT)
     turns_at_signal = generated_turns(runs_dir, iteration=1)
     assert process.wait(timeout=120) != 0
-    # the turn in flight ends (one more may have begun before the signal landed); no later one starts,
-    # and the batch is not finished (before, it ran to its end: all its turns, rewards, advantages)
+    # the turn in flight ends (one more may have begun before the signal landed); no later one starts
     assert generated_turns(runs_dir, iteration=1) <= turns_at_signal + 1
     assert not [m for m in Store(runs_dir).versions("assign-rewards") if m.iteration == 1]
-    assert start(runs_dir, prefect_server_env, 1).wait(timeout=600) == 0
-    assert contents(runs_dir) == contents(reference)
-    assert main(["diff", str(reference), str(runs_dir)]) == 0
-    assert capsys.readouterr().out.strip().endswith(" 0 different")
 
 
 def generated_turns(runs_dir: Path, iteration: int) -> int:
-    return len([m for m in list_versions(runs_dir) if m.stage == "generate-rollouts" and m.iteration == iteration])
+    """Stored generate-rollouts turns of an iteration (their manifests only: read while a run writes)."""
+    turns = 0
+    for manifest in (runs_dir / "generate-rollouts").glob("*/manifest.json"):
+        if not manifest.parent.name.startswith("."):  # a version being written
+            turns += json.loads(manifest.read_text()).get("iteration") == iteration
+    return turns
