@@ -2,7 +2,7 @@
 with exactly the versions and bytes of an uninterrupted run: the synchronous loop (6 kills), and
 with ppo.max_staleness=1, where the next iteration generates while one trains (4 kills; `mtrl diff`
 too, for both; with K = 1 a Ctrl-C while the next batch is made beside an update comes first). Slow:
-~2 minutes."""
+~2.5 minutes."""
 
 from __future__ import annotations
 
@@ -21,11 +21,12 @@ from pipeline.cli import main
 from pipeline.store import Store
 
 pytestmark = pytest.mark.slow
-# Two iterations: each restart adds a few versions before its kill (the later turns of a
-# guess-number iteration take tens of milliseconds), and six kills must land before the end.
+# Three iterations: each restart adds a few versions before its kill (the later turns of a
+# guess-number iteration take tens of milliseconds), and every kill must land before the end (with
+# two iterations the last of four once landed after the last version was written).
 ARGS = [
     "--iterations",
-    "2",
+    "3",
     "--task",
     "calculator,guess-number",
     "--rollouts",
