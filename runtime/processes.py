@@ -18,13 +18,13 @@ import os
 import runpy
 import signal
 import socket
+import subprocess
 import sys
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-_LAUNCHER_LOCK = threading.Lock()
 
 
 def free_port() -> int:
@@ -57,20 +57,15 @@ def dies_with_this_thread(command: list[str], signal_on_death: int = signal.SIGT
     return [sys.executable, *head, "--exec", *command]
 
 
-_LAUNCHER: list = []  # the thread pool of popen_for_this_process, made on first use
+# Its one thread starts at the first submit and lives as long as the process.
+_LAUNCHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtrl-launcher")
 
 
-def popen_for_this_process(command: list[str], signal_on_death: int = signal.SIGTERM, **popen: Any) -> Any:
+def popen_for_this_process(command: list[str], signal_on_death: int = signal.SIGTERM, **popen: Any) -> subprocess.Popen:
     """subprocess.Popen(dies_with_this_thread(command, signal_on_death), **popen), started from a
     thread that lives as long as this process: the child outlives the thread that asked for it
     (a flow's background thread, a task's pool) and still dies with the process."""
-    import subprocess
-    from concurrent.futures import ThreadPoolExecutor
-
-    with _LAUNCHER_LOCK:
-        if not _LAUNCHER:
-            _LAUNCHER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtrl-launcher"))
-    return _LAUNCHER[0].submit(subprocess.Popen, dies_with_this_thread(command, signal_on_death), **popen).result()
+    return _LAUNCHER.submit(subprocess.Popen, dies_with_this_thread(command, signal_on_death), **popen).result()
 
 
 def die_with_parent(parent: int, signal_on_death: int = signal.SIGTERM) -> None:

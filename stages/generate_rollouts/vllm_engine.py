@@ -149,7 +149,7 @@ class VLLMEngine:
         self.log = str(server.log_path) if server else f"the log of the server at {self.url}"
         self.runs_dir = config.store.runs_dir
         self.reloads_in_place = self.settings.weight_update == "in_place"
-        self.generation = config.generation
+        self.logprobs_mode = logprobs_mode(config.generation)
         self.temperature = config.generation.temperature
         self.device = config.model.device
         self.tolerance = rescore_tolerance(config.audit.tolerance, config.model.dtype)
@@ -193,9 +193,7 @@ class VLLMEngine:
             # how this policy reached the server, how long it took, and its verification
             "policy_update": self.update,
             # a server at vllm.url returns what its operator started it with
-            "logprobs_mode": logprobs_mode(self.generation)
-            if self.server
-            else "as configured on the server (the audit checks it)",
+            "logprobs_mode": self.logprobs_mode if self.server else "as configured on the server (the audit checks it)",
         }
 
     def load_policy(self, model_dir: str | Path) -> None:
