@@ -40,7 +40,7 @@ from schemas.features import GENERATE_ROLLOUTS, dataset_from_rows
 from schemas.token_stream import Rollout, generation_prompt_ids, prompt_token_ids, rollouts
 from stages.environments import Environment
 from stages.policy import load_model, load_tokenizer, score_rollouts
-from stages.registry import environments, registered_tools, tool_schemas
+from stages.registry import registered_tools, run_environments, tool_schemas
 
 
 class AuditError(ValueError):
@@ -90,7 +90,7 @@ def audit(
     max_failed_fraction: float = 1.0,
 ) -> AuditReport:
     """Check a generate/execute/assign/compute dataset (columns it lacks are not checked).
-    `environments` and `tools` (stages.registry.environments, registered_tools) render each rollout's
+    `environments` and `tools` (stages.registry.run_environments, registered_tools) render each rollout's
     prompt, which its first context must be."""
     report = AuditReport(rescore_tolerance=rescore_tolerance)
     columns = set(turns.column_names)
@@ -245,30 +245,17 @@ def turns_with_history(store: Store, stage: str, version: str) -> datasets.Datas
     return history.select([i for i, rollout_id in enumerate(history["rollout_id"]) if rollout_id in rollout_ids])
 
 
-# Audits passed in this process, by runs dir, version, seed and settings: the flow audits an
-# iteration's batch as soon as it is made (with ppo.max_staleness, beside the previous update),
-# and ppo-update's gate then finds it passed. A version's files are immutable (store.load checks
-# their digests on every load), so a pass stays a pass.
-PASSED: dict[tuple[str, str, int, str], AuditReport] = {}
-
-
-def audit_before_training(
-    store: Store, version: str, config: RunConfig, seed: int, turns: datasets.Dataset | None = None
-) -> AuditReport:
-    """The gate in front of ppo-update: audit compute-advantages/`version` (its rows `turns`, loaded
-    when not given) with the run's settings; a dataset that fails raises AuditError and is never
-    trained on."""
-    key = (str(store.root.resolve()), version, seed, config.model_dump_json(include={"audit", "model", "generation"}))
-    if key in PASSED:
-        return PASSED[key]
-    turns = store.load("compute-advantages", version) if turns is None else turns
-    policy_dir = store.policy_dir(generating_policy(store, "compute-advantages", version))
-    report = audit(
+def audit_stored(store: Store, stage: str, version: str, config: RunConfig, seed: int = 0) -> AuditReport:
+    """Audit a stored version of turns (with the earlier turns of a one-turn version) under a
+    run's settings: its templates, tools, dtype and `audit` section."""
+    turns = turns_with_history(store, stage, version)  # a later turn is checked after the earlier ones
+    policy_dir = store.policy_dir(generating_policy(store, stage, version))
+    return audit(
         turns,
         store,
         load_tokenizer(str(policy_dir)),
         enable_thinking=config.generation.enable_thinking,
-        environments=environments(config),
+        environments=run_environments(config),
         tools=registered_tools(config),
         rescore_fraction=config.audit.rescore_fraction,
         rescore_tolerance=rescore_tolerance(config.audit.tolerance, config.model.dtype),
@@ -276,7 +263,12 @@ def audit_before_training(
         seed=seed,
         max_failed_fraction=config.audit.max_failed_fraction,
     )
+
+
+def audit_before_training(store: Store, version: str, config: RunConfig, seed: int) -> AuditReport:
+    """The gate in front of ppo-update: audit compute-advantages/`version` with the run's settings;
+    a dataset that fails raises AuditError and is never trained on."""
+    report = audit_stored(store, "compute-advantages", version, config, seed)
     if not report.ok:
         raise AuditError(f"compute-advantages/{version} fails the audit: " + "; ".join(report.problems))
-    PASSED[key] = report
     return report

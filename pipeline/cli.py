@@ -11,7 +11,6 @@ mtrl config [SECTION]            every config field: its --set name, type, defau
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shlex
@@ -101,54 +100,26 @@ def build_config(args: argparse.Namespace, base: RunConfig | None = None) -> Run
     return config
 
 
-def validate_choices(config: RunConfig) -> None:
-    """Names that only the registries know, checked before any work is done."""
-    from transformers import AutoConfig
-
-    from pipeline.models import resolve_model_dir
-    from runtime.ray import RayError, check_ray_address
-    from stages.compute_advantages import ESTIMATORS
-    from stages.generate_rollouts import ENGINES, check_context_budget
-    from stages.policy import ModelError
-    from stages.task_mix import check_environments, load_plugins
+def checked(config: RunConfig) -> RunConfig:
+    """The config, after the pre-flight checks (pipeline/preflight.py); a failure is a usage error."""
+    from pipeline.preflight import ConfigError, check_config
 
     try:
-        load_plugins(config.task.plugins)
-    except ImportError as exc:
-        raise UsageError(f"task.plugins: cannot import {exc.name!r}: {exc}") from None
-    try:
-        check_environments(config)
-        if config.sft.steps > 0:
-            from stages.sft import check_demonstrations, demonstrators
-
-            check_demonstrations(demonstrators(config))
-    except ValueError as exc:
+        check_config(config)
+    except ConfigError as exc:
         raise UsageError(str(exc)) from None
-    if config.generation.engine not in ENGINES:
-        raise UsageError(f"unknown generation engine '{config.generation.engine}'; valid: {', '.join(sorted(ENGINES))}")
-    if config.generation.engine == "vllm":  # its environment (or server) is there, before a Prefect server starts
-        from runtime.vllm_server import EngineError, vllm_version
+    return config
 
-        try:
-            vllm_version(config.vllm.python, config.vllm.url)
-        except (EngineError, OSError) as exc:
-            raise UsageError(f"generation.engine vllm: {exc}") from None
-    if config.advantage.estimator not in ESTIMATORS:
-        raise UsageError(
-            f"unknown advantage estimator '{config.advantage.estimator}'; valid: {', '.join(sorted(ESTIMATORS))}"
-        )
-    if config.runner.kind == "ray" and importlib.util.find_spec("prefect_ray") is None:
-        raise UsageError("runner 'ray' needs the ray extra: pip install 'mtrl[ray]'")
-    if config.runner.kind == "ray" or config.ppo.nodes > 1:
-        try:
-            check_ray_address(config.runner.ray_address)
-        except RayError as exc:
-            raise UsageError(str(exc)) from None
-    try:
-        model_config = AutoConfig.from_pretrained(resolve_model_dir(config.model.path))
-        check_context_budget(config.generation.max_context_tokens, model_config.max_position_embeddings)
-    except (ModelError, ValueError) as exc:
-        raise UsageError(str(exc)) from None
+
+def start_flows(config: RunConfig) -> Callable[[], bool]:
+    """What a command that runs flows does first: start the Prefect API in the background and
+    check the config while it starts (a bad config stops it again at exit). Returns the wait for
+    the API: True when it is this process's own server."""
+    from pipeline import prefect_servers
+
+    api_ready = prefect_servers.start_api(config.store.runs_dir, config.runner.kind)
+    checked(config)
+    return api_ready
 
 
 # ---------------------------------------------------------------------------------------
@@ -158,22 +129,13 @@ def validate_choices(config: RunConfig) -> None:
 
 def command_run(args: argparse.Namespace) -> Work:
     config = build_config(args)
-    from pipeline import prefect_servers, prefect_settings
-
-    # The Prefect API starts in the background while the checks below run (a bad config
-    # stops it again at exit); it is waited for before the first flow run.
-    api_ready = prefect_servers.start_api(config.store.runs_dir, config.runner.kind)
-    validate_choices(config)
+    api_ready = start_flows(config)
+    from pipeline import prefect_settings
     from pipeline.flows import rl_training
-    from pipeline.models import starting_tokenizer
     from pipeline.report import write_report
     from pipeline.store import Store
     from runtime.ray import RayError
 
-    try:
-        starting_tokenizer(config)
-    except ValueError as exc:  # ModelError too
-        raise UsageError(str(exc)) from None
     PHASES.mark("checks_done")
 
     def run() -> None:
@@ -210,19 +172,11 @@ def command_sft(args: argparse.Namespace) -> Work:
     config = build_config(args)
     if config.sft.steps == 0:
         raise UsageError("mtrl sft trains for sft.steps steps, which is 0: give --sft-steps N (or --set sft.steps=N)")
-    from pipeline import prefect_servers, prefect_settings
-
-    api_ready = prefect_servers.start_api(config.store.runs_dir, config.runner.kind)
-    validate_choices(config)
+    api_ready = start_flows(config)
+    from pipeline import prefect_settings
     from pipeline.flows import warm_start
-    from pipeline.models import starting_tokenizer
     from pipeline.stage_table import POLICY
     from pipeline.store import Store
-
-    try:
-        starting_tokenizer(config)
-    except ValueError as exc:  # ModelError too
-        raise UsageError(str(exc)) from None
 
     def run() -> None:
         own_api = api_ready()
@@ -266,10 +220,7 @@ def command_stage(args: argparse.Namespace) -> Work:
         {**lineage_config(store, source_stage, source_version), "store": {"runs_dir": str(args.runs_dir)}}
     )
     config = build_config(args, base=recorded)
-    validate_choices(config)
-    from pipeline import prefect_servers
-
-    api_ready = prefect_servers.start_api(config.store.runs_dir, config.runner.kind)
+    api_ready = start_flows(config)
     from pipeline.flows import rerun_stage
 
     def run() -> None:
@@ -286,8 +237,7 @@ def command_stage(args: argparse.Namespace) -> Work:
 
 def command_serve(args: argparse.Namespace) -> Work:
     """Serve rl-iteration as deployment rl-iteration/local: each run trains the next iteration."""
-    config = build_config(args)
-    validate_choices(config)
+    config = checked(build_config(args))
     from pipeline import prefect_settings
 
     prefect_settings.configure(config.store.runs_dir)
@@ -305,15 +255,14 @@ def command_serve(args: argparse.Namespace) -> Work:
 def command_eval(args: argparse.Namespace) -> Work:
     """Roll out a policy on fixed evaluation tasks and print its metrics; only the starting model is stored
     (imported, as a run would), never the rollouts."""
-    config = build_config(args)
-    validate_choices(config)
+    config = checked(build_config(args))
     from pipeline.evaluate import run_episodes
     from pipeline.store import Store
     from pipeline.tasks import import_base_policy
     from stages.assign_rewards import rollout_metrics
     from stages.generate_rollouts.engine import open_engine
     from stages.policy import load_tokenizer
-    from stages.registry import environments
+    from stages.registry import run_environments
 
     def run() -> None:
         store = Store(config.store.runs_dir)
@@ -332,7 +281,7 @@ def command_eval(args: argparse.Namespace) -> Work:
             turns = run_episodes(engine, tokenizer, config, iteration=EVAL_ITERATION)
         finally:
             engine.close()
-        metrics = rollout_metrics(turns, environments(config), config.task.max_turns)
+        metrics = rollout_metrics(turns, run_environments(config), config.task.max_turns)
         print(json.dumps({"policy": str(model_dir), **metrics}, indent=2))
 
     return run
@@ -386,13 +335,10 @@ def command_show(args: argparse.Namespace) -> Work:
 
 
 def command_audit(args: argparse.Namespace) -> Work:
-    from pipeline.audit import audit, turns_with_history
+    from pipeline.audit import audit_stored
     from pipeline.lineage import lineage_config
     from pipeline.stage_table import STAGES
     from pipeline.store import Store
-    from schemas.config import rescore_tolerance
-    from stages.policy import load_tokenizer
-    from stages.registry import environments, registered_tools
     from stages.task_mix import load_plugins
 
     store = Store(args.runs_dir)
@@ -405,22 +351,10 @@ def command_audit(args: argparse.Namespace) -> Work:
         problems = store.verify(stage, version)
         if problems:
             raise UsageError(f"{stage}/{version} files do not match the manifest: {'; '.join(problems)}")
-        turns = turns_with_history(store, stage, version)  # a later turn is checked after the earlier ones
         recorded = RunConfig.model_validate(lineage_config(store, stage, version))
         load_plugins(recorded.task.plugins)  # the prompts of a plugin's tasks are checked too
-        generation = recorded.generation
-        tokenizer = load_tokenizer(str(store.policy_dir(turns[0]["policy_version"])))
-        report = audit(
-            turns,
-            store,
-            tokenizer,
-            enable_thinking=generation.enable_thinking,
-            environments=environments(recorded),
-            tools=registered_tools(recorded),
-            rescore_fraction=args.rescore_fraction,
-            rescore_tolerance=rescore_tolerance(args.tolerance, recorded.model.dtype),
-            temperature=generation.temperature,
-        )
+        settings = {"audit.rescore_fraction": args.rescore_fraction, "audit.tolerance": args.tolerance}
+        report = audit_stored(store, stage, version, recorded.with_overrides(settings))
         print(json.dumps(report.as_dict(), indent=2))
         if not report.ok:
             raise UsageError(f"{stage}/{version} fails the audit: {report.problems[0]}")

@@ -18,33 +18,59 @@ while iteration i trains:
 import contextvars
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import contextmanager, nullcontext
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 from prefect import flow, get_run_logger
 
 from pipeline import artifacts, lineage, retention
 from pipeline.artifacts import generation_progress, publish_summary
-from pipeline.audit import audit_before_training
+from pipeline.audit import AuditReport, audit_before_training
+from pipeline.evaluate import play_turns
 from pipeline.prefect_settings import flow_heartbeats
+from pipeline.preflight import check_config
 from pipeline.runners import stage_runner
 from pipeline.stage_table import POLICY, STAGES
 from pipeline.store import Store
 from pipeline.tasks import (
     AHEAD_THREAD,
+    ON_ONE_INPUT,
     POLICY_ENGINE,
-    execute_tools_task,
-    generate_rollouts_task,
-    run_on,
-    run_stage,
+    advantage,
+    execute,
+    generate,
+    reward,
     starting_policy,
+    update,
 )
 from runtime.interrupt import INTERRUPTED
 from runtime.phases import PHASES
 from runtime.threads import use_threads
 from schemas.config import RunConfig
-from stages.task_mix import load_plugins, turn_limit
+from stages.task_mix import turn_limit
+
+
+@dataclass(frozen=True)
+class Experience:
+    """What an iteration makes before ppo-update, which reads only the generating policy (and the
+    reference): its store versions and its batch's passed audit."""
+
+    iteration: int
+    policy: str  # the generating policy
+    turns: list[str]  # the execute-tools version of each turn
+    rewarded: str  # assign-rewards
+    advantaged: str  # compute-advantages: the batch ppo-update trains on
+    audit: AuditReport
+
+
+def flow_start(config: RunConfig) -> Store:
+    """What every flow does first (a deployment's run starts here, not in `mtrl`): this process's
+    thread count, the pre-flight checks (they import the task plugins too), the store."""
+    use_threads(config.runner.threads)
+    check_config(config)
+    return Store(config.store.runs_dir)
 
 
 @flow(name="rl-iteration")
@@ -55,82 +81,62 @@ def rl_iteration(
     policy_version: str | None = None,
     plot: bool = True,
     generate_next: bool = True,
+    batch: Experience | None = None,
 ) -> dict[str, Any]:
     """One RL iteration: train `policy_version` on rollouts of the policy ppo.max_staleness updates
     before it. Without arguments: the next iteration from the store's newest policy (what a
     scheduled deployment run does). One iteration at a time per store: a file lock.
     `plot`: draw the learning curve into the summary artifact (rl-training: at its last iteration).
-    `generate_next` (with max_staleness > 0): make the next iteration's experience (rollouts,
-    rewards, advantages) while this one trains; its run (the next in rl-training, or a
-    deployment's next run) finds them stored. rl-training's last iteration passes False."""
-    use_threads(config.runner.threads)  # a deployment's run starts here, not in `mtrl`
-    load_plugins(config.task.plugins)
-    store = Store(config.store.runs_dir)
+    `generate_next` (with max_staleness > 0): make the next iteration's experience while this one
+    trains; the next run is passed it as `batch` (rl-training) or finds it stored (a deployment's
+    next run). rl-training's last iteration passes False."""
+    store = flow_start(config)
     staleness = config.ppo.max_staleness
     with store.lock(), stage_runner(config.runner) as runner, PHASES.section("iteration"):
         store.clean_stale_tmp()
-        if policy_version is None:
-            policy_version = lineage.latest_policy(store) or starting_policy(store, config)
-        if iteration is None:
-            iteration = store.manifest(POLICY, policy_version).iteration + 1
-
-        generating = lineage.policy_before(store, policy_version, staleness)
-        advantaged = experience(config, iteration, generating, runner)
-        ahead = nullcontext()
+        policy_version = policy_version or lineage.latest_policy(store) or starting_policy(store, config)
+        iteration = store.manifest(POLICY, policy_version).iteration + 1 if iteration is None else iteration
+        batch = batch or experience(config, iteration, lineage.policy_before(store, policy_version, staleness), runner)
+        ahead: AbstractContextManager[Future | None] = nullcontext()
         if generate_next and staleness > 0:  # its policy, one update less behind, is in the store already
-            next_generating = lineage.policy_before(store, policy_version, staleness - 1)
-            # The engine is opened or updated (and verified) here, before the thread starts: the hf
-            # engine loads its model in model.dtype, and a load sets the process's default dtype
-            # while ppo-update's forward passes would run beside it (stages/policy.py: TRANSFORMERS_GLOBALS).
-            POLICY_ENGINE.serving(store, config, next_generating)
-            ahead = in_background(experience, config, iteration + 1, next_generating, runner)
-        try:
-            with ahead:  # the update and its bookkeeping; the next batch is made beside them
-                updated = run_on("ppo-update", config, advantaged, policy=policy_version)
-                next_policy = store.manifest("ppo-update", updated).policy
-                prune_lineage(store, config, next_policy)
-                rewarded = store.manifest("compute-advantages", advantaged).parents["assign-rewards"]
-                metrics = store.manifest("assign-rewards", rewarded).metrics
-                get_run_logger().info(
-                    "iteration %d: reward %.3f, success %.2f",
-                    iteration,
-                    metrics["reward_mean"] or 0,
-                    metrics["success_rate"] or 0,
-                )
-                publish_summary(store, next_policy, plot=plot)
-        except BackgroundError as failure:
-            # Not this iteration's failure: the next one makes its experience again (finding what
-            # the store holds) and fails as itself if the error is still there.
-            get_run_logger().warning(
-                "iteration %d's experience, made beside this update, failed (%s); iteration %d makes it again",
-                iteration + 1,
-                failure.__cause__,
-                iteration + 1,
+            ahead = made_beside(
+                config, iteration + 1, lineage.policy_before(store, policy_version, staleness - 1), runner
             )
-        last_turn = store.manifest("assign-rewards", rewarded).parents["execute-tools"]
+        with ahead as next_batch:  # the update and its bookkeeping; the next batch is made beside them
+            updated = update(config, batch.advantaged, policy=policy_version, audit=batch.audit)
+            next_policy = store.manifest("ppo-update", updated).policy
+            prune_lineage(store, config, next_policy)
+            metrics = store.manifest("assign-rewards", batch.rewarded).metrics
+            get_run_logger().info(
+                "iteration %d: reward %.3f, success %.2f",
+                iteration,
+                metrics["reward_mean"] or 0,
+                metrics["success_rate"] or 0,
+            )
+            publish_summary(store, next_policy, plot=plot)
     return {
         "iteration": iteration,
         "policy": policy_version,
-        "generating_policy": generating,
+        "generating_policy": batch.policy,
         "next_policy": next_policy,
         "versions": {
-            "execute-tools": lineage.turns_of(store, last_turn),
-            "assign-rewards": rewarded,
-            "compute-advantages": advantaged,
+            "execute-tools": batch.turns,
+            "assign-rewards": batch.rewarded,
+            "compute-advantages": batch.advantaged,
             "ppo-update": updated,
         },
         "metrics": metrics,
+        "next_batch": made_ahead(next_batch),
     }
 
 
 def experience(
-    config: RunConfig, iteration: int, policy_version: str, runner: Any, stop: threading.Event | None = None
-) -> str:
-    """Everything of an iteration before ppo-update, which reads only the generating policy (and
-    the reference): its rollouts turn by turn (generate-rollouts, then execute-tools, until no
-    rollout is active), their rewards and advantages, and the audit. Returns the
-    compute-advantages version (stored ones are found at once). `stop` (set when the thread
-    beside this one failed or was interrupted) ends it at the next turn or stage boundary."""
+    config: RunConfig, iteration: int, policy: str, runner: Any, stop: threading.Event | None = None
+) -> Experience:
+    """Everything of an iteration before ppo-update: its rollouts turn by turn (generate-rollouts,
+    then execute-tools, until no rollout is active), their rewards and advantages, and the audit
+    (stored versions are found at once). `stop` (set when the thread beside this one failed or
+    was interrupted) ends it at the next turn or stage boundary."""
 
     def check_stop() -> None:
         if INTERRUPTED.is_set():  # a Ctrl-C, even one Prefect swallowed (runtime/interrupt.py)
@@ -138,60 +144,73 @@ def experience(
         if stop is not None and stop.is_set():
             raise StoppedError(f"iteration {iteration}'s experience stopped: the thread beside it failed")
 
-    store = Store(config.store.runs_dir)
-    last_turn: str | None = None  # the execute-tools version of the latest turn
     progress = generation_progress(iteration, turn_limit(config))
-    for turn in range(turn_limit(config)):
+    store = Store(config.store.runs_dir)
+
+    def play_turn(turn: int, previous: str | None) -> tuple[str, int]:
         check_stop()
-        generated = run_stage(
-            generate_rollouts_task,
-            config,
-            {POLICY: policy_version, **({"execute-tools": last_turn} if last_turn else {})},
-            position={"iteration": iteration, "turn": turn},
-            progress_artifact=progress.artifact_id,
-        )
-        last_turn = run_stage(execute_tools_task, config, {"generate-rollouts": generated}, runner=runner)
-        if store.manifest("execute-tools", last_turn).active == 0:
-            break
-    progress.finish(f"iteration {iteration}: all rollouts stopped after {turn + 1} turn(s)")
+        generated = generate(config, policy, previous, iteration, turn, progress.artifact_id)
+        executed = execute(config, generated, runner)
+        return executed, store.manifest("execute-tools", executed).active
+
+    turns = play_turns(config, play_turn)
+    progress.finish(f"iteration {iteration}: all rollouts stopped after {len(turns)} turn(s)")
     POLICY_ENGINE.close(unless_it_reloads=True)  # free its memory for the stages that load models
     check_stop()
-    rewarded = run_on("assign-rewards", config, last_turn, runner)
+    rewarded = reward(config, turns[-1], runner)
     check_stop()
-    advantaged = run_on("compute-advantages", config, rewarded)
+    advantaged = advantage(config, rewarded)
     check_stop()
-    # ppo-update's gate, passed as soon as the batch exists (its task finds the pass): with
-    # ppo.max_staleness, beside the previous update; a batch that fails is never trained on
-    audit_before_training(store, advantaged, config, seed=config.seed + iteration)
-    return advantaged
+    # ppo-update's gate, passed as soon as the batch exists (with ppo.max_staleness, beside the
+    # previous update); a batch that fails is never trained on
+    report = audit_before_training(store, advantaged, config, seed=config.seed + iteration)
+    return Experience(iteration, policy, turns, rewarded, advantaged, report)
 
 
 class StoppedError(Exception):
     """The work of one thread of an overlapped iteration, ended because the other one failed."""
 
 
-class BackgroundError(Exception):
-    """What the work made in the background raised (its __cause__), once the block beside it ended well."""
+def made_beside(config: RunConfig, iteration: int, policy: str, runner: Any) -> AbstractContextManager[Future]:
+    """Iteration `iteration`'s experience, made in a thread beside the block (in_background). Its
+    engine is opened (or updated and verified) here, in the flow's thread, before the thread
+    starts: the hf engine loads its model in model.dtype, and a load sets the process's default
+    dtype, which must not change while ppo-update's forward passes run beside it."""
+    POLICY_ENGINE.serving(Store(config.store.runs_dir), config, policy)
+    return in_background(experience, config, iteration, policy, runner)
+
+
+def made_ahead(made: Future | None) -> Experience | None:
+    """The experience made beside an update, or None (none was made, or it failed: a warning says
+    so, and the next iteration makes it again, finding what the store holds, and fails as itself
+    if the error is still there)."""
+    if made is None:
+        return None
+    failure = made.exception()
+    if failure is None:
+        return made.result()
+    if isinstance(failure, KeyboardInterrupt):
+        raise failure
+    get_run_logger().warning("the next iteration's experience, made beside this update, failed (%s)", failure)
+    return None
 
 
 @contextmanager
-def in_background(function: Callable[..., Any], *args: Any) -> Iterator[None]:
+def in_background(function: Callable[..., Any], *args: Any) -> Iterator[Future]:
     """Run function(*args, stop) in a thread while the block runs, inside this flow run (its task
-    runs are this run's, shown running beside the block's), and wait for it at the block's end.
-    The block's own error (Ctrl-C included) sets `stop` and is raised once the thread has stopped
-    at its next boundary; the thread's error is raised at the block's end as a BackgroundError."""
+    runs are this run's, shown running beside the block's), and wait for it at the block's end;
+    yields its future. The block's own error (Ctrl-C included) sets `stop` and is raised once the
+    thread has stopped at its next boundary."""
     stop = threading.Event()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix=AHEAD_THREAD) as pool:
         done = pool.submit(contextvars.copy_context().run, function, *args, stop)
         try:
-            yield
+            yield done
             wait([done])  # a Ctrl-C while waiting lands in the except below
         except BaseException:
             stop.set()
             wait([done])
             raise
-        if done.exception() is not None:
-            raise BackgroundError(f"{function.__name__} in the background failed") from done.exception()
 
 
 @flow(name="rl-training")
@@ -199,12 +218,11 @@ def in_background(function: Callable[..., Any], *args: Any) -> Iterator[None]:
 def rl_training(config: RunConfig) -> list[dict[str, Any]]:
     """config.iterations RL iterations from the starting model (warm-started first when
     sft.steps > 0), each one an rl-iteration run."""
-    use_threads(config.runner.threads)  # a deployment's run starts here, not in `mtrl`
-    load_plugins(config.task.plugins)
-    store = Store(config.store.runs_dir)
+    store = flow_start(config)
     with store.lock():
         policy_version = starting_policy(store, config)
-    results = []
+    results: list[dict[str, Any]] = []
+    batch = None  # the next iteration's experience, when it was made beside an update
     # one Ray for all iterations (each iteration reuses it); the iterations run in this
     # process, so this run's heartbeat covers them (prefect_settings.flow_heartbeats)
     with stage_runner(config.runner), flow_heartbeats(enabled=False):
@@ -213,8 +231,9 @@ def rl_training(config: RunConfig) -> list[dict[str, Any]]:
                 if INTERRUPTED.is_set():
                     raise KeyboardInterrupt
                 last = iteration == config.iterations - 1
-                results.append(rl_iteration(config, iteration, policy_version, plot=last, generate_next=not last))
-                policy_version = results[-1]["next_policy"]
+                result = rl_iteration(config, iteration, policy_version, plot=last, generate_next=not last, batch=batch)
+                batch, policy_version = result.pop("next_batch"), result["next_policy"]
+                results.append(result)
         finally:
             POLICY_ENGINE.close()
     return results
@@ -226,9 +245,7 @@ def warm_start(config: RunConfig) -> str:
     """Import the starting model and fine-tune it on demonstrations (sft.steps steps, a stored
     version: found, not trained again, when it exists); returns the policy version RL starts
     from with the same config."""
-    use_threads(config.runner.threads)  # a deployment's run starts here, not in `mtrl`
-    load_plugins(config.task.plugins)
-    store = Store(config.store.runs_dir)
+    store = flow_start(config)
     with store.lock():
         store.clean_stale_tmp()
         return starting_policy(store, config)
@@ -240,16 +257,17 @@ def rerun_stage(config: RunConfig, stage: str, source: str, policy: str | None =
     """Re-run one stage on a stored input (e.g. re-score rewards, or A/B two estimators on the
     same rollouts); writes a new version beside the old one, or finds it already stored.
     `policy`: the policy ppo-update trains (default: the rollouts' generating policy)."""
-    use_threads(config.runner.threads)  # a deployment's run starts here, not in `mtrl`
-    load_plugins(config.task.plugins)
-    store = Store(config.store.runs_dir)
+    store = flow_start(config)
     source_stage, source_version = store.resolve(source)
     rerunnable = {name: table.rerun_from for name, table in STAGES.items() if table.rerun_from}
     if rerunnable.get(stage) != source_stage:
         choices = ", ".join(f"{name} --from {source}/VERSION" for name, source in rerunnable.items())
         raise ValueError(f"`mtrl stage {stage}` cannot run on {source_stage}/VERSION; valid: {choices}")
+    if policy is not None and stage != "ppo-update":
+        raise ValueError(f"{stage} reads the policy of its rollouts' lineage; only ppo-update takes a policy")
     with store.lock(), stage_runner(config.runner) as runner:
-        version = run_on(stage, config, source_version, runner, policy=policy)
+        trains = {"policy": policy} if policy else {}
+        version = ON_ONE_INPUT[stage](config, source_version, runner, **trains)
         if stage == "ppo-update":
             prune_lineage(store, config, store.manifest(stage, version).policy)
         return version

@@ -17,7 +17,7 @@ import datasets
 
 from pipeline.stage_table import POLICY
 from pipeline.store import Store
-from schemas.config import RunConfig, deep_merge
+from schemas.config import deep_merge
 from schemas.manifest import Manifest
 
 
@@ -66,6 +66,12 @@ def policy_before(store: Store, policy_version: str, updates: int) -> str:
     return last.version
 
 
+def staleness(store: Store, generating: str, trained: str) -> int:
+    """How many updates the policy that generated rollouts is behind the policy trained on them
+    (ppo.max_staleness bounds it)."""
+    return store.manifest(POLICY, trained).iteration - store.manifest(POLICY, generating).iteration
+
+
 def reference_policy(store: Store, policy_version: str) -> str:
     """The policy RL started from in a policy's lineage, the KL reference: the first one not
     trained by ppo-update (the imported model, or its warm start by sft)."""
@@ -80,24 +86,11 @@ def generating_policy(store: Store, stage: str, version: str) -> str:
 
 def lineage_config(store: Store, stage: str, version: str) -> dict[str, Any]:
     """The config recorded along a version's lineage, as a partial run config: each stage
-    records the fields its output depends on; the newest record of a field wins. Fields this
-    mtrl no longer has (a store written by an older one) are left out."""
+    records the fields its output depends on; the newest record of a field wins."""
     merged: dict[str, Any] = {}
     for manifest in reversed(store.lineage(stage, version)):
-        merged = deep_merge(merged, known_fields(manifest.config, RunConfig.model_fields))
+        merged = deep_merge(merged, manifest.config)
     return merged
-
-
-def known_fields(recorded: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
-    """The part of a recorded (partial) config that names fields of the config model."""
-    known = {}
-    for name, value in recorded.items():
-        if name not in fields:
-            continue
-        section = fields[name].annotation
-        is_section = isinstance(value, dict) and hasattr(section, "model_fields")
-        known[name] = known_fields(value, section.model_fields) if is_section else value
-    return known
 
 
 def rebuild_hint(store: Store, stage: str, version: str) -> str:

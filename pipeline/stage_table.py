@@ -32,8 +32,10 @@ HASHED_PACKAGES = ("stages", "schemas")
 # Libraries whose versions shape a stage's bytes, hashed into every version: transformers renders
 # chat templates and runs the model, tokenizers tokenizes, torch computes, datasets and pyarrow
 # write the rows, numpy computes advantages, safetensors stores weights. Prefect, Ray and pydantic
-# only orchestrate and validate: left out, so upgrading them keeps the cache.
+# only orchestrate and validate: left out, so upgrading them keeps the cache. A manifest records
+# these and the two that wrote it (library_versions), once.
 SHAPING_LIBRARIES = ("torch", "transformers", "tokenizers", "datasets", "pyarrow", "numpy", "safetensors")
+WRITING_LIBRARIES = ("prefect", "mtrl")
 
 
 @dataclass(frozen=True)
@@ -75,12 +77,13 @@ class Stage:
 
     def derived_values(self, config: RunConfig) -> dict[str, Any]:
         values = {name: DERIVED[name](config) for name in self.derived}
-        # None: does not apply to this config (left out, so versions written before it existed stay)
-        return {"libraries": shaping_library_versions(), **{k: v for k, v in values.items() if v is not None}}
+        return {name: value for name, value in values.items() if value is not None}  # None: does not apply
 
 
-def shaping_library_versions() -> dict[str, str]:
-    return {"python": platform.python_version(), **{n: package_version(n) or "absent" for n in SHAPING_LIBRARIES}}
+def library_versions(names: tuple[str, ...] = SHAPING_LIBRARIES + WRITING_LIBRARIES) -> dict[str, str]:
+    """Python's version and these libraries': what a manifest records (all of them) and what a
+    version hashes (the shaping ones)."""
+    return {"python": platform.python_version(), **{n: package_version(n) or "absent" for n in names}}
 
 
 def _device(config: RunConfig) -> str:

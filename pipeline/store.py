@@ -23,7 +23,6 @@ import contextlib
 import fcntl
 import json
 import os
-import platform
 import re
 import shutil
 import socket
@@ -36,8 +35,8 @@ from typing import Any
 
 import datasets
 
-from pipeline.stage_table import POLICY, STAGES
-from runtime.hashing import MANIFEST, digest_problems, file_digests, package_version
+from pipeline.stage_table import POLICY, STAGES, library_versions
+from runtime.hashing import MANIFEST, digest_problems, file_digests
 from runtime.phases import PHASES
 from schemas.manifest import Manifest, MissingVersionError, StoreError
 
@@ -60,13 +59,6 @@ def copy_files(source: Path, target: Path, files: dict[str, Any]) -> None:
         destination = target / name
         destination.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source / name, destination)  # follows a hub snapshot's symlinks to its blobs
-
-
-def library_versions() -> dict[str, str]:
-    """What a manifest records of the libraries that wrote it (those installed)."""
-    names = ("torch", "transformers", "datasets", "pyarrow", "numpy", "prefect", "mtrl")
-    installed = {name: package_version(name) for name in names}
-    return {"python": platform.python_version(), **{name: v for name, v in installed.items() if v is not None}}
 
 
 _VERIFIED: set[tuple] = set()  # policy folders whose digests matched, by their files' (path, size, mtime)
@@ -172,13 +164,10 @@ class Store:
         truncated weights are never loaded. A folder is hashed once per process while its files
         keep their sizes and modification times."""
         manifest = self.manifest(POLICY, version)
-        if manifest.source_path:  # a base policy imported by an older mtrl: a pointer, not a copy
-            folder, expected = Path(manifest.source_path), manifest.extra("source_files", {})
-        else:
-            folder, expected = self.path(POLICY, version), manifest.kept_files()
-            # a prune that died between its two steps left files its manifest calls pruned: they
-            # go before anything loads the folder (an AdamW state thought gone must not continue)
-            _delete_pruned(folder, manifest)
+        folder, expected = self.path(POLICY, version), manifest.kept_files()
+        # a prune that died between its two steps left files its manifest calls pruned: they go
+        # before anything loads the folder (an AdamW state thought gone must not continue)
+        _delete_pruned(folder, manifest)
         stats = tuple(
             (str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()
         )

@@ -32,11 +32,11 @@ from prefect import get_run_logger, task
 
 from pipeline import artifacts, lineage, retention
 from pipeline.artifacts import ppo_progress, publish_stage, turn_progress
-from pipeline.audit import audit_before_training
+from pipeline.audit import AuditReport, audit_before_training
 from pipeline.launch import train_with_torchrun
 from pipeline.models import resolve_model, starting_tokenizer
 from pipeline.runners import map_row_shards
-from pipeline.stage_table import POLICY, STAGES
+from pipeline.stage_table import POLICY, SHAPING_LIBRARIES, STAGES, library_versions
 from pipeline.store import TMP_PREFIX, Store, copy_files
 from runtime.hashing import file_digests, version_key
 from runtime.memory import peak_memory
@@ -45,13 +45,11 @@ from schemas.features import PPO_UPDATE, SFT, dataset_from_rows, token_counts
 from schemas.token_stream import chat_template_hash
 from stages import assign_rewards, compute_advantages, execute_tools, generate_rollouts, ppo_update, sft
 from stages.generate_rollouts.engine import GenerationEngine, open_engine
-from stages.policy import load_tokenizer, parameter_count
-from stages.registry import environments
+from stages.policy import large_model, load_tokenizer, parameter_count
+from stages.registry import run_environments
 from stages.task_mix import load_plugins, turn_limit
 
 POLICY_CODE_VERSION = "1"  # the layout of a stored policy (a save_pretrained folder + optimiser state)
-# a stage run's config (ppo-update: store.fresh_optimizer_if_pruned resolved), parents (stage -> version), position
-Inputs = tuple[RunConfig, dict[str, str], dict[str, int]]
 
 
 def stage_version(config: RunConfig, stage: str, parents: dict[str, str], position: dict[str, int]) -> str:
@@ -61,6 +59,7 @@ def stage_version(config: RunConfig, stage: str, parents: dict[str, str], positi
         "config": table.recorded_config(config),
         "derived": table.derived_values(config),
         "position": position,  # iteration and turn: the same config gives new rollouts each turn
+        "libraries": library_versions(SHAPING_LIBRARIES),
     }
     return version_key(stage, table.code_version, hashed, parents)
 
@@ -169,9 +168,11 @@ Compute = Callable[..., tuple[datasets.Dataset, dict[str, Any]]]
 
 
 def stage_task(stage: str) -> Callable[[Compute], Any]:
-    """Turn `compute(store, config, version, parents, **position) -> (dataset, manifest fields)`
-    into the Prefect task that writes that version of `stage`: it returns at once when the
-    version is on disk, is cached by version, and its result (the version) is JSON, never a pickle."""
+    """Turn `compute(store, config, version, parents, **position, **given) -> (dataset, manifest
+    fields)` into the Prefect task that writes that version of `stage`: it returns at once when the
+    version is on disk, is cached by version, and its result (the version) is JSON, never a pickle.
+    `given`: what the caller already holds that the stage would otherwise compute again, which
+    never changes its output (generation's progress bar, ppo-update's audit report)."""
 
     def decorate(compute: Compute) -> Any:
         def write_version(
@@ -179,7 +180,7 @@ def stage_task(stage: str) -> Callable[[Compute], Any]:
             version: str,
             parents: dict[str, str],
             position: dict[str, int] | None = None,
-            progress_artifact: UUID | None = None,
+            given: dict[str, Any] | None = None,
         ) -> str:
             store = Store(config.store.runs_dir)
             if on_disk(store, stage, version):
@@ -189,9 +190,7 @@ def stage_task(stage: str) -> Callable[[Compute], Any]:
             if unexpected:
                 raise ValueError(f"{stage} does not read {sorted(unexpected)}; its inputs: {table.inputs}")
             started = time.time()
-            # generation updates the iteration's progress bar, which outlives its task runs
-            progress = {"progress_artifact": progress_artifact} if progress_artifact else {}
-            dataset, fields = compute(store, config, version, parents, **(position or {}), **progress)
+            dataset, fields = compute(store, config, version, parents, **(position or {}), **(given or {}))
             # the iteration its rows belong to: its position, or its input dataset's
             inherited = [store.manifest(name, parent).iteration for name, parent in parents.items() if name in STAGES]
             manifest = {
@@ -238,7 +237,7 @@ def run_stage(
     parents: dict[str, str],
     position: dict[str, int] | None = None,
     runner: Any | None = None,
-    progress_artifact: UUID | None = None,
+    given: dict[str, Any] | None = None,
 ) -> str:
     """Run a stage task on these inputs (in this process, or on `runner` for the stages the
     table marks distributed); its version is known before it runs."""
@@ -248,8 +247,8 @@ def run_stage(
     store = Store(config.store.runs_dir)
     configured = configured_task(prefect_task, not on_disk(store, stage, version), store.root / ".prefect" / "results")
     parameters = {"config": config, "version": version, "parents": parents, "position": position}
-    if progress_artifact is not None:
-        parameters["progress_artifact"] = progress_artifact
+    if given:
+        parameters["given"] = given
     if runner is not None and STAGES[stage].distributed:
         return runner.submit(configured, parameters).result()
     return configured(**parameters)
@@ -281,9 +280,7 @@ def generate_rollouts_task(
     )
     provenance = generate_rollouts.provenance(config.generation, config.seed, tokenizer) | {"engine": engine.describe()}
     # a cold engine (a resumed run) replays the earlier turns first; 0.0 means bit-identical
-    # staleness: how many updates the generating policy is behind the one this iteration trains
-    staleness = iteration - 1 - store.manifest(POLICY, policy_version).iteration
-    return dataset, {"provenance": provenance, "replay": replay, "staleness": staleness}
+    return dataset, {"provenance": provenance, "replay": replay}
 
 
 def execute_shard(turns: datasets.Dataset, model_dir: str, config: RunConfig) -> datasets.Dataset:
@@ -309,7 +306,7 @@ def assign_rewards_task(
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
     load_plugins(config.task.plugins)  # a Ray worker has not imported them yet
     turns = lineage.load_turns(store, parents["execute-tools"])
-    tasks = environments(config)
+    tasks = run_environments(config)
     dataset = assign_rewards.assign_rewards(turns, tasks, config.reward)
     return dataset, {"metrics": assign_rewards.rollout_metrics(dataset, tasks, config.task.max_turns)}
 
@@ -347,12 +344,20 @@ AHEAD_THREAD = "experience-ahead"  # the thread of pipeline.flows.in_background:
 
 @stage_task("ppo-update")
 def ppo_update_task(
-    store: Store, config: RunConfig, version: str, parents: dict[str, str], iteration: int
+    store: Store,
+    config: RunConfig,
+    version: str,
+    parents: dict[str, str],
+    iteration: int,
+    audit: dict[str, Any] | None = None,
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
     """Train the policy on the iteration's rollouts (in this process, or as ppo.world_size
-    processes under torchrun, here or on ppo.nodes Ray nodes); write the next policy, then the metrics."""
+    processes under torchrun, here or on ppo.nodes Ray nodes); write the next policy, then the
+    metrics. `audit`: the batch's passed audit (the flow audits a batch as soon as it is made);
+    without it the batch is audited here, and one that fails is never trained on."""
+    if audit is None:
+        audit = audit_before_training(store, parents["compute-advantages"], config, config.seed + iteration).as_dict()
     turns = store.load("compute-advantages", parents["compute-advantages"])
-    report = audit_before_training(store, parents["compute-advantages"], config, config.seed + iteration, turns)
     generating = lineage.generating_policy(store, "compute-advantages", parents["compute-advantages"])
     # Exact generation logprobs of the trained policy are its old logprobs (the audit re-scored them).
     # Rollouts of an older policy (ppo.max_staleness) are the decoupled case: the ratio is taken
@@ -360,7 +365,8 @@ def ppo_update_task(
     stale = generating != parents[POLICY]
     recompute = config.recomputes_old_logprobs() or stale
     parameters = parameter_count(store.policy_dir(parents[POLICY]))
-    ppo = ppo_update.memory_settings(config.ppo.model_copy(update={"recompute_old_logprobs": recompute}), parameters)
+    ppo = config.ppo.model_copy(update={"recompute_old_logprobs": recompute})
+    ppo = ppo_update.memory_settings(ppo, large_model(store.policy_dir(parents[POLICY])))
     training = {
         "train_critic": config.advantage.estimator in compute_advantages.NEEDS_VALUES,
         "seed": config.seed + iteration,
@@ -402,7 +408,7 @@ def ppo_update_task(
         shutil.rmtree(work, ignore_errors=True)
     return dataset_from_rows(trained.metrics, PPO_UPDATE), {
         "metrics": ppo_update.metrics_summary(trained.metrics),
-        "audit": report.as_dict(),
+        "audit": audit,
         "memory": memory,
         # what ppo.gradient_checkpointing / max_tokens_per_micro_batch were (null: chosen by the model's size)
         "memory_settings": {
@@ -411,8 +417,7 @@ def ppo_update_task(
         },
         "optimizer_state_restored": trained.optimizer_state_restored,
         "old_logprobs": "recomputed" if recompute else "generation",
-        # updates between the policy that generated the rollouts and the one trained (ppo.max_staleness)
-        "staleness": store.manifest(POLICY, parents[POLICY]).iteration - store.manifest(POLICY, generating).iteration,
+        "staleness": lineage.staleness(store, generating, trained=parents[POLICY]),
         "policy": next_policy,
         "policy_files": policy_files,
         **placement,
@@ -455,37 +460,62 @@ def starting_policy(store: Store, config: RunConfig) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# The stages that run on one stored input, and how each finds its other inputs
+# One verb per stage: each builds its stage's parents and runs its task; the flows and
+# `mtrl stage` (on one stored input, the stage table's rerun_from) call the same verbs
 # ---------------------------------------------------------------------------------------
 
 
-def tool_inputs(config: RunConfig, store: Store, generated: str) -> Inputs:
-    """execute-tools reads one turn's generate-rollouts version (its rows hold the environments'
-    state so far: a stateful game is made again from it)."""
-    return config, {"generate-rollouts": generated}, {}
+def generate(
+    config: RunConfig,
+    policy: str,
+    previous_turn: str | None,
+    iteration: int,
+    turn: int,
+    progress_artifact: UUID | None = None,
+) -> str:
+    """generate-rollouts: one turn of the iteration's active rollouts (turn 0: new ones) by `policy`,
+    after the previous turn's execute-tools version."""
+    parents = {POLICY: policy, **({"execute-tools": previous_turn} if previous_turn else {})}
+    given = {"progress_artifact": progress_artifact} if progress_artifact else {}
+    return run_stage(generate_rollouts_task, config, parents, {"iteration": iteration, "turn": turn}, given=given)
 
 
-def reward_inputs(config: RunConfig, store: Store, last_turn: str) -> Inputs:
-    """assign-rewards reads the last turn's execute-tools version (it names the earlier ones)."""
-    return config, {"execute-tools": last_turn}, {}
+def execute(config: RunConfig, generated: str, runner: Any | None = None) -> str:
+    """execute-tools on one turn's generate-rollouts version (its rows hold the environments' state
+    so far: a stateful game is made again from it)."""
+    return run_stage(execute_tools_task, config, {"generate-rollouts": generated}, runner=runner)
 
 
-def advantage_inputs(config: RunConfig, store: Store, rewarded: str) -> Inputs:
-    """compute-advantages reads the generating policy (critic values) and the reference
-    policy (KL penalty) only when the config uses them."""
+def reward(config: RunConfig, last_turn: str, runner: Any | None = None) -> str:
+    """assign-rewards on the last turn's execute-tools version (it names the earlier ones)."""
+    return run_stage(assign_rewards_task, config, {"execute-tools": last_turn}, runner=runner)
+
+
+def advantage(config: RunConfig, rewarded: str, runner: Any | None = None) -> str:
+    """compute-advantages on an assign-rewards version; it reads the generating policy (critic
+    values) and the reference policy (KL penalty) only when the config uses them."""
+    store = Store(config.store.runs_dir)
     parents = {"assign-rewards": rewarded}
     policy = lineage.generating_policy(store, "assign-rewards", rewarded)
     if config.advantage.estimator in compute_advantages.NEEDS_VALUES:
         parents[POLICY] = policy
     if config.ppo.kl_coef > 0:
         parents[f"{POLICY}#reference"] = lineage.reference_policy(store, policy)
-    return config, parents, {}
+    return run_stage(compute_advantages_task, config, parents, runner=runner)
 
 
-def update_inputs(config: RunConfig, store: Store, advantaged: str, policy: str | None = None) -> Inputs:
-    """ppo-update trains `policy`: the newest one of the run, which with ppo.max_staleness > 0 may
-    be newer than the policy that generated the rollouts (null: that one, the synchronous loop).
-    Its position is the rollouts' iteration."""
+def update(
+    config: RunConfig,
+    advantaged: str,
+    runner: Any | None = None,
+    policy: str | None = None,
+    audit: AuditReport | None = None,
+) -> str:
+    """ppo-update of `policy` on a compute-advantages version: `policy` is the newest one of the run,
+    which with ppo.max_staleness > 0 may be newer than the policy that generated the rollouts (null:
+    that one, the synchronous loop). Its position is the rollouts' iteration. `audit`: the batch's
+    audit report, passed by the flow that made the batch; without it the task audits the batch."""
+    store = Store(config.store.runs_dir)
     rollouts = store.ancestor("compute-advantages", advantaged, "generate-rollouts")
     if policy is not None and policy != rollouts.parents[POLICY] and config.ppo.recompute_old_logprobs is False:
         raise ValueError(
@@ -494,7 +524,8 @@ def update_inputs(config: RunConfig, store: Store, advantaged: str, policy: str 
         )
     parents = {"compute-advantages": advantaged, POLICY: policy or rollouts.parents[POLICY]}
     position = {"iteration": rollouts.iteration}
-    return optimizer_start(config, store, parents, position), parents, position
+    config = optimizer_start(config, store, parents, position)
+    return run_stage(ppo_update_task, config, parents, position, given={"audit": audit.as_dict() if audit else None})
 
 
 def optimizer_start(config: RunConfig, store: Store, parents: dict[str, str], position: dict[str, int]) -> RunConfig:
@@ -517,21 +548,10 @@ def optimizer_start(config: RunConfig, store: Store, parents: dict[str, str], po
     return config
 
 
-# stage -> (its task, its inputs from the one stored input named by the stage table's rerun_from)
-ON_ONE_INPUT: dict[str, tuple[Any, Callable[[RunConfig, Store, str], Inputs]]] = {
-    "execute-tools": (execute_tools_task, tool_inputs),
-    "assign-rewards": (assign_rewards_task, reward_inputs),
-    "compute-advantages": (compute_advantages_task, advantage_inputs),
-    "ppo-update": (ppo_update_task, update_inputs),
+# stage -> its verb on the one stored input the stage table names (rerun_from): `mtrl stage`
+ON_ONE_INPUT: dict[str, Callable[..., str]] = {
+    "execute-tools": execute,
+    "assign-rewards": reward,
+    "compute-advantages": advantage,
+    "ppo-update": update,
 }
-
-
-def run_on(stage: str, config: RunConfig, source: str, runner: Any | None = None, policy: str | None = None) -> str:
-    """Run `stage` on the stored version `source` of its rerun_from stage; returns its version.
-    `policy`: the policy ppo-update trains, when it is not the one that generated the rollouts."""
-    prefect_task, inputs = ON_ONE_INPUT[stage]
-    store = Store(config.store.runs_dir)
-    if policy is not None and stage != "ppo-update":
-        raise ValueError(f"{stage} reads the policy of its rollouts' lineage; only ppo-update takes a policy")
-    config, parents, position = inputs(config, store, source, policy) if policy else inputs(config, store, source)
-    return run_stage(prefect_task, config, parents, position, runner=runner)

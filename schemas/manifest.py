@@ -46,7 +46,6 @@ class Manifest(BaseModel):
     active: int | None = None  # execute-tools: rollouts still going on after this turn
     policy: str | None = None  # ppo-update: the policy version it wrote
     imported_from: str | None = None  # the base policy: the folder its files were copied from, or the GGUF file
-    source_path: str | None = None  # a base policy imported by an older mtrl, loaded from there (not copied)
     files: dict[str, dict[str, Any]] = Field(default_factory=dict)  # relative path -> bytes and xxh3 digest
     # files retention deleted (relative path -> bytes, when, why); `files` still holds what was written
     pruned: dict[str, dict[str, Any]] = Field(default_factory=dict)

@@ -27,6 +27,11 @@ from typing import Any, ClassVar
 SYSTEM_PROMPT = "You are a helpful assistant."
 
 
+class ReplayError(RuntimeError):
+    """An environment made again from its seed and stored actions did not show what it showed the
+    first time (the adapters of live games and sessions check every observation's digest)."""
+
+
 @dataclass
 class EnvStep:
     """What the environment answers after one assistant turn."""

@@ -103,6 +103,12 @@ def parameter_count(model_dir: str | Path) -> int:
     return count
 
 
+def large_model(model_dir: str | Path) -> bool:
+    """The memory rule of training (ppo-update and sft): does this saved model save memory by
+    default (LARGE_MODEL_PARAMETERS)?"""
+    return parameter_count(model_dir) >= LARGE_MODEL_PARAMETERS
+
+
 def eos_token_ids(tokenizer: Any, model: Any) -> list[int]:
     """Tokens that end an assistant turn: the tokenizer's EOS plus the model's generation EOS.
     `model` is the model or its GenerationConfig (an engine that does not load the model)."""

@@ -49,7 +49,7 @@ def task_names(config: RunConfig) -> list[str]:
     return names + [name for name, _ in config.sft_task_mix() if name not in names]
 
 
-def environments(config: RunConfig) -> dict[str, Environment]:
+def run_environments(config: RunConfig) -> dict[str, Environment]:
     """The environment of every task the run uses, by task name."""
     return {name: environment(config, name) for name in task_names(config)}
 

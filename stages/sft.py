@@ -29,10 +29,10 @@ from schemas.config import RunConfig, SFTConfig
 from schemas.token_stream import assistant_token_ids, generation_prompt_ids, observation_token_ids, prompt_token_ids
 from stages.environments import Environment
 from stages.policy import (
-    LARGE_MODEL_PARAMETERS,
     RolloutSequence,
     collate,
     forward_targets,
+    large_model,
     load_model,
     load_tokenizer,
 )
@@ -196,8 +196,7 @@ def supervised_fine_tune(
     return it ready to save as a new policy."""
     model, tokenizer = load_model(policy_dir, "float32", device), load_tokenizer(str(policy_dir))
     if config.gradient_checkpointing is None:  # null: by the model's size, as ppo-update chooses
-        large = sum(p.numel() for p in model.parameters()) >= LARGE_MODEL_PARAMETERS
-        config = config.model_copy(update={"gradient_checkpointing": large})
+        config = config.model_copy(update={"gradient_checkpointing": large_model(policy_dir)})
     metrics = train_on_demonstrations(
         model,
         tokenizer,

@@ -8,7 +8,7 @@ import pytest
 from pipeline.audit import audit
 from pipeline.store import Store, StoreError
 from schemas.config import RunConfig
-from stages.registry import environments, registered_tools
+from stages.registry import registered_tools, run_environments
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
@@ -39,7 +39,7 @@ def check(run, turns):
         store,
         tokenizer,
         enable_thinking=True,
-        environments=environments(config),
+        environments=run_environments(config),
         tools=registered_tools(config),
         rescore_fraction=1.0,
         rescore_tolerance=1e-3,

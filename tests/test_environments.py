@@ -18,7 +18,7 @@ from stages.environments import ENVIRONMENTS, CalculatorEnv, GuessNumberEnv, Wea
 from stages.execute_tools.calls import ToolCall, run_tool_calls
 from stages.generate_rollouts.hf import HFEngine
 from stages.policy import eos_token_ids
-from stages.registry import environments
+from stages.registry import run_environments
 from stages.task_mix import rollout_starts
 from stages.tools import TOOLS, tool_schema
 
@@ -166,7 +166,7 @@ def test_per_turn_rewards_stop_strings_and_a_raising_environment(tiny):
     broken = [row for row in turns if row["task"] == "broken" and row["finish_reason"] == "stop"]
     assert broken and all(row["failed"] and "environment bug" in row["failure"] for row in broken)
     assert all(math.isnan(row["reward"]) for row in broken)
-    metrics = rollout_metrics(turns, environments(config), config.task.max_turns)
+    metrics = rollout_metrics(turns, run_environments(config), config.task.max_turns)
     assert metrics["per_task"]["broken"]["failed_rate"] == len(broken) / 4
     assert metrics["per_task"]["shaped-calculator"]["failed_rate"] == 0.0
 

@@ -19,7 +19,7 @@ from pipeline.store import Store
 from runtime.processes import free_port
 from schemas.config import RunConfig
 from schemas.features import GENERATE_ROLLOUTS, dataset_from_rows
-from stages.ecosystem.openenv import ReplayError
+from stages.environments import ReplayError
 from stages.execute_tools import execute_tools
 from stages.registry import environment
 from stages.task_mix import check_environments

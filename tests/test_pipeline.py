@@ -345,6 +345,20 @@ def test_an_iteration_whose_prompts_all_overflow_the_context_stops_and_writes_no
     assert [m.iteration for m in Store(tmp_path).versions("policy")] == [-1]  # only the starting policy
 
 
+@pytest.mark.parametrize("flow_name", ["rl_iteration", "rl_training", "warm_start"])
+def test_a_flow_started_without_mtrl_runs_the_preflight_checks_before_any_work(tmp_path, flow_name):
+    """A deployment's run starts in the flow, not in `mtrl`: a config naming an estimator no
+    registry has fails there at once, before the starting model is imported or anything runs."""
+    from pipeline import flows
+    from pipeline.preflight import ConfigError
+    from schemas.config import RunConfig
+
+    config = RunConfig(advantage={"estimator": "nonesuch"}, sft={"steps": 1}, store={"runs_dir": tmp_path})
+    with pytest.raises(ConfigError, match="unknown advantage estimator 'nonesuch'"):
+        getattr(flows, flow_name)(config)
+    assert not (tmp_path / POLICY).exists()
+
+
 @pytest.mark.usefixtures("prefect_server")
 def test_an_artifact_the_api_refuses_is_a_warning_in_the_log_not_a_failed_run():
     import logging

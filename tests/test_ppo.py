@@ -398,17 +398,25 @@ def test_saved_optimizer_state_continues_adam_exactly_across_iterations(tiny, ro
 
 
 def test_memory_settings_follow_the_model_size_unless_set():
-    from stages.policy import LARGE_MODEL_PARAMETERS
     from stages.ppo_update import LARGE_MODEL_TOKENS_PER_MICRO_BATCH, memory_settings
 
     unset = PPOConfig()
-    small, large = memory_settings(unset, 880_000), memory_settings(unset, 135_000_000)
+    small, large = memory_settings(unset, large=False), memory_settings(unset, large=True)
     assert (small.gradient_checkpointing, small.max_tokens_per_micro_batch) == (False, 0)
     assert (large.gradient_checkpointing, large.max_tokens_per_micro_batch) == (
         True,
         LARGE_MODEL_TOKENS_PER_MICRO_BATCH,
     )
-    assert memory_settings(unset, LARGE_MODEL_PARAMETERS).gradient_checkpointing is True
-    assert memory_settings(unset, LARGE_MODEL_PARAMETERS - 1).gradient_checkpointing is False
     chosen = PPOConfig(gradient_checkpointing=False, max_tokens_per_micro_batch=512)
-    assert memory_settings(chosen, 135_000_000) == chosen  # what the user set is kept
+    assert memory_settings(chosen, large=True) == chosen  # what the user set is kept
+
+
+def test_the_size_rule_counts_the_saved_models_parameters(tiny):
+    """One count for ppo-update and sft: the safetensors headers of the saved policy, equal to the
+    loaded model's parameters (no weights are loaded to count them)."""
+    from pipeline.models import EMBEDDED_POLICY
+    from stages.policy import LARGE_MODEL_PARAMETERS, large_model, load_model, parameter_count
+
+    count = parameter_count(EMBEDDED_POLICY)
+    assert count == sum(p.numel() for p in load_model(EMBEDDED_POLICY, "float32", "cpu").parameters())
+    assert large_model(EMBEDDED_POLICY) is (count >= LARGE_MODEL_PARAMETERS) is False

@@ -13,7 +13,7 @@ from reasoning_gym.utils import extract_answer
 
 from pipeline.store import Store
 from schemas.config import RunConfig
-from stages.registry import environment, environment_code, environments
+from stages.registry import environment, environment_code, run_environments
 from stages.sft import check_demonstrations, demonstration_sequence, demonstrators
 from stages.task_mix import check_environments, rollout_starts
 
@@ -154,4 +154,4 @@ def test_one_iteration_on_twelve_generators_scores_every_answer_with_the_package
     metrics = manifest.metrics["per_task"]
     assert set(metrics) == {task_name(g) for g in GENERATORS}
     # every task the run used resolves the same way in a fresh lookup (what a re-run of a stage does)
-    assert set(environments(config)) == {task_name(g) for g in GENERATORS}
+    assert set(run_environments(config)) == {task_name(g) for g in GENERATORS}

@@ -51,9 +51,7 @@ def test_iteration_i_is_generated_by_policy_i_minus_k_and_trains_policy_i(
         # its memory figure is the process's while the next batch was made beside it (not at the last)
         beside = "the process, with the next batch made beside it"
         assert update.extra("memory")["scope"] == ("this stage" if i == iterations - 1 else beside)
-        assert {m.extra("staleness") for m in store.versions("generate-rollouts") if m.iteration == i} == {
-            i - max(0, i - staleness)
-        }
+        assert {m.parents["policy"] for m in store.versions("generate-rollouts") if m.iteration == i} == {generating}
     # the schedule is a pure function of the lineage: the same query gives the same policy
     assert policy_before(store, results[-1]["policy"], staleness) == results[-1]["generating_policy"]
     assert policy_before(store, results[0]["policy"], staleness) == results[0]["policy"]  # clamped at policy 0
@@ -133,18 +131,19 @@ def test_an_audit_failure_in_the_batch_made_ahead_fails_its_own_iteration_after_
     config = small_config.with_overrides({"store.keep_optimizer_state": 1})
     audited = []
 
-    def audit_failing_iteration_2(store, version, config, seed, turns=None):
+    def audit_failing_iteration_2(store, version, config, seed):
         audited.append(seed - config.seed)
         if seed == config.seed + 2:
             raise AuditError(f"compute-advantages/{version} fails the audit: planted by the test")
-        return real_audit(store, version, config, seed, turns)
+        return real_audit(store, version, config, seed)
 
     real_audit = flows.audit_before_training
     monkeypatch.setattr(flows, "audit_before_training", audit_failing_iteration_2)
     with pytest.raises(AuditError, match="planted by the test"):
         train(config, staleness=1, iterations=3)
-    # each batch ahead (beside the update before it), then again by its own iteration (found stored)
-    assert audited == [0, 1, 1, 2, 2]
+    # batch 0 by its iteration; batches 1 and 2 beside the update before them: batch 1's report is
+    # passed to its iteration, batch 2 failed and is made again by its own (its turns found stored)
+    assert audited == [0, 1, 2, 2]
     store = Store(config.store.runs_dir)
     updates = sorted(store.versions("ppo-update"), key=lambda m: m.iteration)
     assert [m.iteration for m in updates] == [0, 1]

@@ -14,7 +14,7 @@ import textarena
 
 from pipeline.store import Store
 from schemas.config import RunConfig
-from stages.ecosystem.textarena import ReplayError
+from stages.environments import ReplayError
 from stages.registry import environment
 from stages.task_mix import check_environments
 

@@ -5,6 +5,7 @@ equal to a fresh server, broken updates failing the iteration, a server killed m
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -273,13 +274,27 @@ def _process_group(pid: int) -> int | None:
         return None
 
 
-def test_a_broken_update_fails_the_iteration_and_stores_no_rollouts_from_it(engine, tmp_path, prefect_server):
-    """A server at vllm.url is updated by vLLM's own reload_weights, which on the CPU build leaves
-    the tied lm_head's packed GEMM on the old embedding: the probe catches it before iteration 1
-    generates a token, and the iteration fails naming the update."""
+def test_a_broken_update_fails_the_iteration_and_stores_no_rollouts_from_it(
+    engine, tmp_path, prefect_server, monkeypatch
+):
+    """The test breaks every update to a trained policy: the folder the server at vllm.url reloads
+    it from holds the expert's weights. The probe catches it before iteration 1 generates a token,
+    and the iteration fails naming the update. (vLLM's own reload_weights, used for a server at
+    vllm.url, also leaves the tied lm_head stale on the CPU build: the probe would catch that too,
+    but the test does not count on it.)"""
     from pipeline.flows import rl_training
     from pipeline.tasks import POLICY_ENGINE
+    from stages.generate_rollouts import vllm_engine
 
+    def expert_weights_for_trained_policies(model_dir, runs_dir):
+        view = served_checkpoint(model_dir, runs_dir)
+        manifest = Path(model_dir) / "manifest.json"
+        if manifest.is_file() and json.loads(manifest.read_text())["iteration"] >= 0:
+            (view / "model.safetensors").unlink(missing_ok=True)
+            (view / "model.safetensors").symlink_to(EXPERT / "model.safetensors")
+        return view
+
+    monkeypatch.setattr(vllm_engine, "served_checkpoint", expert_weights_for_trained_policies)
     config = vllm_config(tmp_path / "runs", vllm={"url": engine.url})
     try:
         with pytest.raises(EngineError, match=r"after its weight update \(in place \(reload_weights\)\)"):

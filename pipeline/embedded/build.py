@@ -30,7 +30,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFas
 
 from pipeline.models import SHIPPED_TEMPLATES
 from stages.environments import ENVIRONMENTS, CalculatorEnv
-from stages.registry import tool_schemas
+from stages.registry import run_environments, tool_schemas
 from stages.tools import TOOLS, calculate
 
 HERE = Path(__file__).resolve().parent
@@ -170,7 +170,6 @@ def evaluate(
     from stages.assign_rewards import rollout_metrics
     from stages.generate_rollouts.hf import HFEngine
     from stages.policy import eos_token_ids
-    from stages.registry import environments
 
     engine = HFEngine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode)
     results: dict[str, float] = {}
@@ -182,7 +181,7 @@ def evaluate(
             generation={"temperature": temperature},
         )
         turns = run_episodes(engine, tokenizer, config)
-        metrics = rollout_metrics(turns, environments(config), config.task.max_turns)
+        metrics = rollout_metrics(turns, run_environments(config), config.task.max_turns)
         prefix = "" if task == "calculator" else f"{task}/"
         results[f"{prefix}success_rate"] = metrics["success_rate"]
         if task == "calculator":

@@ -43,17 +43,13 @@ from openenv.core.generic_client import GenericEnvClient
 from websockets.exceptions import ConnectionClosed
 
 from runtime.hashing import source_version
-from stages.environments import SYSTEM_PROMPT, Environment, EnvStep, final_answer
+from stages.environments import SYSTEM_PROMPT, Environment, EnvStep, ReplayError, final_answer
 
 SEEDS = 2**31
 OPTIONS = ("environment", "kwargs", "url", "max_sessions", "action_field", "observation_field")
 CAPACITY_WAIT_S = 30.0  # how long a new session waits for a server to let go of a closed one
 LIST_TOOLS = {"type": "list_tools"}
 Outcome = tuple[dict[str, Any], float | None, bool]  # an observation's fields, its reward, done
-
-
-class ReplayError(RuntimeError):
-    """An episode made again from its seed and actions did not show what it showed the first time."""
 
 
 def digest(outcome: Outcome) -> str:

@@ -32,7 +32,7 @@ from typing import Any
 import textarena
 from textarena.envs.registration import ENV_REGISTRY
 
-from stages.environments import Environment, EnvStep, final_answer
+from stages.environments import Environment, EnvStep, ReplayError, final_answer
 
 GAME_PROMPT = "You are playing a game. Each of your replies is your next move, in the format the rules ask for."
 SEEDS = 2**31
@@ -53,10 +53,6 @@ def alone() -> Iterator[None]:
 
 def digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-class ReplayError(RuntimeError):
-    """A game made again from its seed and moves did not show what it showed the first time."""
 
 
 class TextArenaEnv(Environment):

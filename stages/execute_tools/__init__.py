@@ -29,7 +29,7 @@ from stages.execute_tools.calls import (
     rejected_call,
     run_tool_calls,
 )
-from stages.registry import environments, registered_tools
+from stages.registry import registered_tools, run_environments
 from stages.tools import truncate
 
 # ---------------------------------------------------------------------------------------
@@ -192,7 +192,7 @@ def execute_turn(turns: datasets.Dataset, tokenizer: Any, config: RunConfig) -> 
     return execute_tools(
         turns,
         tokenizer,
-        environments(config),
+        run_environments(config),
         registered_tools(config),
         task_config=config.task,
         tools_config=config.tools,
@@ -201,12 +201,17 @@ def execute_turn(turns: datasets.Dataset, tokenizer: Any, config: RunConfig) -> 
     )
 
 
+def active_rollouts(dataset: datasets.Dataset) -> int:
+    """The rollouts of an executed turn that go on to the next turn (no stop reason yet)."""
+    return sum(stop is None for stop in dataset["stop_reason"])
+
+
 def turn_summary(dataset: datasets.Dataset, config: RunConfig) -> dict[str, Any]:
     """What the manifest of a turn records: rollouts still going on, why the others stopped,
     tool failures by kind and the tools the run's tasks may use."""
     stops = dataset["stop_reason"]
     return {
-        "active": sum(stop is None for stop in stops),
+        "active": active_rollouts(dataset),
         "stop_reasons": {stop: stops.count(stop) for stop in sorted(set(stops) - {None})},
         "tool_failures": failure_counts(dataset),
         "tools": sorted(registered_tools(config)),

@@ -33,13 +33,13 @@ from tqdm.auto import tqdm
 
 from schemas.config import PPOConfig
 from stages.policy import (
-    LARGE_MODEL_PARAMETERS,
     TRANSFORMERS_GLOBALS,
     RolloutSequence,
     Scorer,
     ValueHead,
     collate,
     kl_estimate,
+    large_model,
     load_model,
     load_tokenizer,
     rollout_sequences,
@@ -160,17 +160,16 @@ def aggregate(
 # ---------------------------------------------------------------------------------------
 
 
-# From LARGE_MODEL_PARAMETERS on (stages/policy.py). Small, because a packed pass attends over its
+# For a large model (stages.policy.large_model). Small, because a packed pass attends over its
 # whole row under a block-diagonal mask: CPU attention builds scores quadratic in the row's length
 # (a 135M model's update with 4096-token passes peaked at 5.6 GB, 4.2 GB above its start).
 LARGE_MODEL_TOKENS_PER_MICRO_BATCH = 1024
 
 
-def memory_settings(config: PPOConfig, parameters: int) -> PPOConfig:
-    """The config with its null memory fields chosen by the model's size: activation
-    checkpointing and packed micro-batches of a token budget for a large model, neither for a
-    small one (where they only cost time). The same policy always gets the same choice."""
-    large = parameters >= LARGE_MODEL_PARAMETERS
+def memory_settings(config: PPOConfig, large: bool) -> PPOConfig:
+    """The config with its null memory fields chosen by the model's size (stages.policy.large_model):
+    activation checkpointing and packed micro-batches of a token budget for a large model, neither
+    for a small one (where they only cost time). The same policy always gets the same choice."""
     chosen: dict[str, Any] = {}
     if config.gradient_checkpointing is None:
         chosen["gradient_checkpointing"] = large
@@ -251,7 +250,7 @@ def ppo_update(
     if use_kl_loss and not all(len(s.ref_logprobs) == len(s.target_positions) for s in sequences):
         raise ValueError("kl_in='loss' needs ref_logprobs in the compute-advantages dataset")
 
-    config = memory_settings(config, sum(p.numel() for p in model.parameters()))  # null memory fields: by size
+    config = memory_settings(config, large=False)  # null memory fields: off (train_policy chose them by size)
     # Old logprobs: the policy before this update, recomputed by the training forward pass;
     # generation logprobs differ once kernels or precision differ, which TIS corrects for.
     packed = config.max_tokens_per_micro_batch > 0
@@ -409,6 +408,7 @@ def train_policy(
     With several `ranks` (under torchrun, see stages/ppo_update/worker.py) the policy is sharded with
     FSDP2 and the value head replicated; rank 0 gets the trained policy back whole, the other
     ranks None."""
+    config = memory_settings(config, large_model(policy_dir))
     model, tokenizer = load_model(policy_dir, "float32", device), load_tokenizer(str(policy_dir))
     value_head = None
     if train_critic:
