@@ -36,14 +36,15 @@ demo: setup
 	$(BIN)/mtrl run --runs-dir runs/demo
 
 # Everything, the slow tests too (real Prefect servers, Ray, vLLM, torchrun, learning curves): what CI runs.
+# Two pytest processes (pytest-xdist); tests/conftest.py keeps the modules that must stay together on one.
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 # The inner loop: the tests not marked slow.
 test-fast: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n 2 -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

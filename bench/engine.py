@@ -14,7 +14,7 @@ Sections of the JSON:
 - long_episode: one batch through the engine for --long-turns turns; seconds of every turn,
   and the last turn's time over the first's (does a turn get slower as the context grows?).
 - wide: --wide-rollouts rollouts x one turn through the engine: tokens/s.
-- ppo_update: the real stage function (stages.ppo_update.ppo_update: old-logprob recompute,
+- ppo_update: the real stage function (stages.ppo_update.optimise_policy: old-logprob recompute,
   then forward + backward + AdamW) on B rollouts of S tokens (one turn: a 64-token prompt, the
   rest completion; "BxSr" spreads the lengths from S/8 to S), padded (one pass of B rows) or
   packed (ppo.max_tokens_per_micro_batch = S: first-fit bins of at most S tokens, one pass
@@ -45,7 +45,7 @@ from schemas.config import PPOConfig
 from schemas.features import COMPUTE_ADVANTAGES, dataset_from_rows
 from stages.generate_rollouts.engine import Request, Sampling
 from stages.generate_rollouts.hf import HFEngine
-from stages.ppo_update import ppo_update
+from stages.ppo_update import optimise_policy
 
 
 def build_model(name: str, device: torch.device) -> torch.nn.Module:
@@ -200,7 +200,7 @@ def ppo_measure(model_name: str, device_name: str, shape: str, variant: str, pea
     for repeat in range(3):  # the first run warms up
         synchronize(device)
         started = time.perf_counter()
-        ppo_update(model, turns, config=config, temperature=1.0, pad_token_id=0, seed=repeat)
+        optimise_policy(model, turns, config=config, temperature=1.0, pad_token_id=0, seed=repeat)
         synchronize(device)
         times.append(time.perf_counter() - started)
     seconds = sum(times[1:]) / len(times[1:])

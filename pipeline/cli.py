@@ -111,15 +111,24 @@ def checked(config: RunConfig) -> RunConfig:
     return config
 
 
-def start_flows(config: RunConfig) -> Callable[[], bool]:
+def start_flows(config: RunConfig) -> Callable[..., Any]:
     """What a command that runs flows does first: start the Prefect API in the background and
-    check the config while it starts (a bad config stops it again at exit). Returns the wait for
-    the API: True when it is this process's own server."""
+    check the config while it starts (a bad config stops it again at exit). Returns
+    run_flow(flow, *args), which waits for the API and runs the flow on it."""
     from pipeline import prefect_servers
 
     api_ready = prefect_servers.start_api(config.store.runs_dir, config.runner.kind)
     checked(config)
-    return api_ready
+
+    def run_flow(flow: Callable[..., Any], *args: Any) -> Any:
+        from pipeline import prefect_settings
+
+        own_api = api_ready()
+        PHASES.mark("api_ready")
+        with prefect_settings.flow_heartbeats(enabled=not own_api):  # no one reads them on our own server
+            return flow(*args)
+
+    return run_flow
 
 
 # ---------------------------------------------------------------------------------------
@@ -129,8 +138,7 @@ def start_flows(config: RunConfig) -> Callable[[], bool]:
 
 def command_run(args: argparse.Namespace) -> Work:
     config = build_config(args)
-    api_ready = start_flows(config)
-    from pipeline import prefect_settings
+    run_flow = start_flows(config)
     from pipeline.flows import rl_training
     from pipeline.report import write_report
     from pipeline.store import Store
@@ -139,15 +147,11 @@ def command_run(args: argparse.Namespace) -> Work:
     PHASES.mark("checks_done")
 
     def run() -> None:
-        own_api = api_ready()
-        PHASES.mark("api_ready")
-        started = time.time()
         try:
-            with prefect_settings.flow_heartbeats(enabled=not own_api):  # no one reads them on our own server
-                results = rl_training(config)
+            results = run_flow(rl_training, config)
         except RayError as exc:
             raise UsageError(str(exc)) from None
-        wall = time.time() - started
+        wall = time.time() - PHASES.marks["api_ready"]  # the flows' time, the API's start left out
         PHASES.mark("flows_done")
         store = Store(config.store.runs_dir)
         curve, png = write_report(store, policy_version=results[-1]["next_policy"])
@@ -172,16 +176,13 @@ def command_sft(args: argparse.Namespace) -> Work:
     config = build_config(args)
     if config.sft.steps == 0:
         raise UsageError("mtrl sft trains for sft.steps steps, which is 0: give --sft-steps N (or --set sft.steps=N)")
-    api_ready = start_flows(config)
-    from pipeline import prefect_settings
+    run_flow = start_flows(config)
     from pipeline.flows import warm_start
     from pipeline.stage_table import POLICY
     from pipeline.store import Store
 
     def run() -> None:
-        own_api = api_ready()
-        with prefect_settings.flow_heartbeats(enabled=not own_api):
-            policy = warm_start(config)
+        policy = run_flow(warm_start, config)
         store = Store(config.store.runs_dir)
         trained = store.manifest("sft", store.manifest(POLICY, policy).parents["sft"])
         first, last = trained.metrics["first_loss"], trained.metrics["last_loss"]
@@ -220,13 +221,12 @@ def command_stage(args: argparse.Namespace) -> Work:
         {**lineage_config(store, source_stage, source_version), "store": {"runs_dir": str(args.runs_dir)}}
     )
     config = build_config(args, base=recorded)
-    api_ready = start_flows(config)
+    run_flow = start_flows(config)
     from pipeline.flows import rerun_stage
 
     def run() -> None:
-        api_ready()
         try:
-            version = rerun_stage(config, args.name, f"{source_stage}/{source_version}", args.policy)
+            version = run_flow(rerun_stage, config, args.name, f"{source_stage}/{source_version}", args.policy)
         except ValueError as exc:  # RayError included
             raise UsageError(str(exc)) from None
         path = store.path(args.name, version)

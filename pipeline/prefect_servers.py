@@ -79,6 +79,20 @@ def _start_server(
     return server
 
 
+def _start_on_template(
+    home: Path, command: list[str], port: int, timeout_s: float, environment: dict[str, str]
+) -> subprocess.Popen:
+    """_start_server on `home`'s database, copied from the kept template when it has none (and
+    kept as the template when there was none yet)."""
+    database = use_database_template(home)
+    # the template is migrated for this Prefect version: its check (alembic) costs ~0.2 s
+    migrate = {"PREFECT_API_DATABASE_MIGRATE_ON_START": "false"} if database == "copied" else {}
+    server = _start_server(home, command, port, timeout_s, {**environment, **migrate})
+    if database == "new":
+        save_database_template(home)
+    return server
+
+
 def _stop_server(server: subprocess.Popen) -> None:
     server.terminate()
     try:
@@ -95,7 +109,8 @@ def local_server(home: str | Path, timeout_s: float = 180) -> Iterator[str]:
     home, port = Path(home), free_port()
     command = launched("prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui")
     environment = {name: value for name, value in os.environ.items() if name != "PREFECT_API_URL"}
-    server = _start_server(home, command, port, timeout_s, environment)
+    home.mkdir(parents=True, exist_ok=True)
+    server = _start_on_template(home, command, port, timeout_s, environment)
     try:
         yield f"http://127.0.0.1:{port}/api"
     finally:
@@ -194,13 +209,8 @@ def start_api(runs_dir: str | Path, runner_kind: str) -> Callable[[], bool]:
 
     def start() -> None:
         try:
-            database = use_database_template(home)
-            # the template is migrated for this Prefect version: its check (alembic) costs ~0.2 s
-            migrate = {"PREFECT_API_DATABASE_MIGRATE_ON_START": "false"} if database == "copied" else {}
             command = launched(*prefect_patches.temporary_server_arguments(port))
-            started["server"] = _start_server(home, command, port, timeout_s, {**environment, **migrate})
-            if database == "new":
-                save_database_template(home)
+            started["server"] = _start_on_template(home, command, port, timeout_s, environment)
         except BaseException as exc:  # raised by wait(), in the caller's thread
             started["error"] = exc
         ready.set()

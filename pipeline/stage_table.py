@@ -177,7 +177,7 @@ STAGES: dict[str, Stage] = {
         ),
         Stage(
             name="ppo-update",
-            function="stages.ppo_update:ppo_update",
+            function="stages.ppo_update:optimise_policy",
             inputs=("compute-advantages", POLICY),
             features=features.PPO_UPDATE,
             config=("ppo", "seed", "generation.temperature"),

@@ -1,9 +1,10 @@
-"""Peak memory of one block of code (a stage), not of the whole process.
+"""Peak memory while one block of code (a stage) runs, not since the process started.
 
 `resource.getrusage(...).ru_maxrss` is the process's high-water mark since it started: in a
 run that generated rollouts first, it says nothing about ppo-update alone. So the resident
 set is sampled in a thread while the block runs, and on CUDA the allocator's peak counter is
-reset when the block starts.
+reset when the block starts. Both are the process's: what runs beside the block in another
+thread counts too (ppo-update records whose figure it is: `memory.scope`).
 """
 
 from __future__ import annotations

@@ -18,15 +18,46 @@ import torch  # noqa: E402
 
 torch.set_num_threads(2)
 
+# `make test` runs the tests on two processes (pytest-xdist), each test wherever a worker is free,
+# except the modules below, whose tests stay on one worker: they share a costly module fixture (a
+# vLLM server, a Ray cluster, an uninterrupted reference run: made once, not once per worker), or
+# they look at every process of the machine (an MCP server a run left over), where another
+# worker's processes must not show. They go first, the longest first, so that the other worker
+# takes the rest meanwhile.
+ONE_WORKER_MODULES = ("test_vllm", "test_distributed", "test_resume", "test_mcp")
+
+
+def pytest_collection_modifyitems(items):
+    def first(item):
+        module = item.module.__name__.rpartition(".")[2]
+        return ONE_WORKER_MODULES.index(module) if module in ONE_WORKER_MODULES else len(ONE_WORKER_MODULES)
+
+    items.sort(key=first)  # stable: each module keeps its own order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneWorkerModules(LoadScopeScheduling):
+        """A scope of one test each, except each module of ONE_WORKER_MODULES: one scope."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if Path(path).stem in ONE_WORKER_MODULES else nodeid
+
+    return OneWorkerModules(config, log)
+
 
 @pytest.fixture(scope="session")
-def prefect_server():
-    """One Prefect API for the whole session (a harness costs ~10 s to start), with flow
-    heartbeats off (they add a 1 s floor to every flow run)."""
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-    from prefect.testing.utilities import prefect_test_harness
+def prefect_server(prefect_server_env):
+    """One Prefect API for the whole session, this process's flows included (a server costs ~8 s to
+    start): the real server of prefect_server_env, with flow heartbeats off (they add a 1 s floor
+    to every flow run)."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
-    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}), prefect_test_harness(server_startup_timeout=90):
+    settings = {PREFECT_API_URL: prefect_server_env["PREFECT_API_URL"], PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
+    with temporary_settings(settings):
         yield
 
 

@@ -43,8 +43,15 @@ def test_mtrl_stage_ab_tests_two_estimators_on_identical_rollouts(tmp_path, caps
 
 
 def prefect(env: dict, *args: str, cwd: Path = ROOT, timeout: float = 300) -> str:
+    """Prefect's CLI; its output is printed by rich, which wraps at 80 columns without a terminal
+    (a long path would be split): a wide one."""
     done = subprocess.run(
-        [sys.executable, "-m", "prefect", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "prefect", *args],
+        env={**env, "COLUMNS": "1000"},
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout

@@ -26,8 +26,8 @@ from stages.ppo_update import (
     aggregate,
     build_optimizer,
     micro_batches,
+    optimise_policy,
     policy_loss,
-    ppo_update,
     token_loss,
     value_loss,
 )
@@ -215,7 +215,7 @@ def test_exact_generation_logprobs_stand_in_for_the_old_logprob_pass(tiny, rollo
     for recompute in (True, False):
         trained = copy.deepcopy(model)
         config = base.model_copy(update={"recompute_old_logprobs": recompute})
-        metrics = ppo_update(
+        metrics = optimise_policy(
             trained, rollouts, config=config, temperature=1.0, pad_token_id=tokenizer.pad_token_id, seed=0
         )
         results[recompute] = (metrics, torch.cat([p.detach().flatten() for p in trained.parameters()]))
@@ -274,7 +274,7 @@ def test_packing_and_activation_checkpointing_do_not_change_the_update(tiny, rol
     results = {}
     for name, config in variants.items():
         trained = copy.deepcopy(model)
-        metrics = ppo_update(
+        metrics = optimise_policy(
             trained, rollouts, config=config, temperature=1.0, pad_token_id=tokenizer.pad_token_id, seed=0
         )
         results[name] = (metrics, torch.cat([p.detach().flatten() for p in trained.parameters()]))
@@ -306,7 +306,9 @@ def test_one_ppo_step_lowers_the_loss_and_raises_positive_advantage_logprobs(tin
         return per_token.mean().item(), logprobs
 
     loss_before, before = evaluate(trained)
-    metrics = ppo_update(trained, rollouts, config=config, temperature=1.0, pad_token_id=tokenizer.pad_token_id, seed=0)
+    metrics = optimise_policy(
+        trained, rollouts, config=config, temperature=1.0, pad_token_id=tokenizer.pad_token_id, seed=0
+    )
     loss_after, after = evaluate(trained)
     assert len(metrics) == 1 and metrics[0]["grad_norm"] > 0
     assert metrics[0]["is_weight_mean"] == pytest.approx(1.0, abs=1e-3)  # same weights, same kernels
@@ -331,7 +333,7 @@ def test_value_head_learns_the_returns_and_kl_in_the_loss_runs(tiny, rollouts):
     data = data.add_column("values", values, feature=COMPUTE_ADVANTAGES["values"])
     data = data.add_column("ref_logprobs", reference_logprobs, feature=COMPUTE_ADVANTAGES["ref_logprobs"])
     config = PPOConfig(learning_rate=1e-3, minibatch_rollouts=4, epochs=3, kl_coef=0.1, value_clip=None)
-    metrics = ppo_update(
+    metrics = optimise_policy(
         trained, data, config=config, temperature=1.0, pad_token_id=tokenizer.pad_token_id, seed=0, value_head=head
     )
     assert metrics[-1]["value_loss"] < metrics[0]["value_loss"]
@@ -349,7 +351,7 @@ def test_the_value_loss_trains_the_head_and_never_the_policy(tiny, rollouts):
     data = data.add_column("advantages", zeros, feature=COMPUTE_ADVANTAGES["advantages"])
     data = data.add_column("values", zeros, feature=COMPUTE_ADVANTAGES["values"])
     config = PPOConfig(learning_rate=1e-2, minibatch_rollouts=4, epochs=2, value_clip=None, kl_coef=0.0)
-    metrics = ppo_update(
+    metrics = optimise_policy(
         trained, data, config=config, temperature=1.0, pad_token_id=tokenizer.pad_token_id, seed=0, value_head=head
     )
     assert all(m["value_grad_norm"] > 0 for m in metrics) and all(m["grad_norm"] == 0 for m in metrics)
@@ -366,7 +368,7 @@ def test_saved_optimizer_state_continues_adam_exactly_across_iterations(tiny, ro
     config = PPOConfig(learning_rate=1e-3, minibatch_rollouts=8, micro_batch_rollouts=8, kl_coef=0.0)
 
     def update(policy, optimizer, seed):
-        ppo_update(
+        optimise_policy(
             policy,
             rollouts,
             config=config,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import psutil
 import pytest
 import toolbox
 from hypothesis import given, settings
@@ -298,20 +299,6 @@ def test_run_tool_calls_never_raises_and_flags_every_failure(calls):
             assert not result.content.startswith("Error")
 
 
-def program_processes() -> list[int]:
-    """Processes running a python tool program (stages/python_tool.py as a script)."""
-    from pathlib import Path
-
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if b"python_tool.py" in cmdline.read_bytes():
-                found.append(int(cmdline.parent.name))
-        except OSError:  # gone meanwhile
-            continue
-    return found
-
-
 def test_the_python_tool_runs_a_program_in_a_limited_process_and_returns_what_it_printed():
     programs = {
         "print(sum(range(1, 11)))": ("55", None),
@@ -326,10 +313,14 @@ def test_the_python_tool_runs_a_program_in_a_limited_process_and_returns_what_it
         assert result.content.endswith(ending) and result.error == error, (code, result)
 
 
-def test_a_python_program_that_never_ends_is_killed_at_the_tool_deadline():
-    (result,) = run_tool_calls([ToolCall("python", {"code": "while True:\n    pass"})], TOOLS, timeout_s=3)
+def test_a_python_program_that_never_ends_is_killed_at_the_tool_deadline(tmp_path):
+    """The program writes its pid, then spins: its worker is killed at the deadline, and the
+    program dies with it."""
+    pid_file = tmp_path / "pid"
+    code = f"import os\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\nwhile True:\n    pass"
+    (result,) = run_tool_calls([ToolCall("python", {"code": code})], TOOLS, timeout_s=3)
     assert result.error == "timeout"
-    deadline = time.monotonic() + 10
-    while program_processes() and time.monotonic() < deadline:  # its worker was killed: the program dies with it
-        time.sleep(0.1)
-    assert not program_processes()
+    try:
+        psutil.Process(int(pid_file.read_text())).wait(timeout=10)  # TimeoutExpired: it outlived its worker
+    except psutil.NoSuchProcess:
+        pass  # gone already

@@ -218,7 +218,7 @@ def _autocast(device: torch.device, mode: str):
     return torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
 
 
-def ppo_update(
+def optimise_policy(
     model: torch.nn.Module,
     turns: datasets.Dataset,
     *,
@@ -422,7 +422,7 @@ def train_policy(
         with TRANSFORMERS_GLOBALS:
             torch.manual_seed(seed)
             model = get_peft_model(model, lora)
-    trained: torch.nn.Module = model  # what ppo_update optimises: the model, or its sharded Scorer
+    trained: torch.nn.Module = model  # what optimise_policy optimises: the model, or its sharded Scorer
     if ranks.distributed:
         trained = Scorer(model)
         shard_model(trained)  # before the optimiser: sharding replaces the parameters
@@ -430,7 +430,7 @@ def train_policy(
     if config.lora_rank == 0:
         optimizer = build_optimizer(model, config, value_head)
         restored = load_optimizer_state(optimizer, model, value_head, policy_dir)
-    metrics = ppo_update(
+    metrics = optimise_policy(
         trained,
         turns,
         config=config,
