@@ -427,6 +427,13 @@ class SFTConfig(Section):
         description="Recompute layer activations in the backward pass (less memory, more compute); null = on from "
         "50M parameters, as ppo.gradient_checkpointing.",
     )
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        ge=0,
+        description="Pack a step's demonstrations into forward/backward passes of at most this many tokens, no "
+        "padding (0 = all of them in one padded pass). null = by the model's size, as "
+        "ppo.max_tokens_per_micro_batch: 1024 from 50M parameters, else 0.",
+    )
 
     @model_validator(mode="after")
     def _a_valid_task_mix(self) -> SFTConfig:

@@ -19,13 +19,14 @@ import math
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import datasets
 import torch
 from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
+from schemas.config import PPOConfig, SFTConfig
 from schemas.token_stream import rollouts
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -107,6 +108,48 @@ def large_model(model_dir: str | Path) -> bool:
     """The memory rule of training (ppo-update and sft): does this saved model save memory by
     default (LARGE_MODEL_PARAMETERS)?"""
     return parameter_count(model_dir) >= LARGE_MODEL_PARAMETERS
+
+
+Training = TypeVar("Training", PPOConfig, SFTConfig)
+
+
+# For a large model (large_model). Small, because a packed pass attends over its
+# whole row under a block-diagonal mask: CPU attention builds scores quadratic in the row's length
+# (a 135M model's update with 4096-token passes peaked at 5.6 GB, 4.2 GB above its start).
+LARGE_MODEL_TOKENS_PER_MICRO_BATCH = 1024
+
+
+def memory_settings(config: Training, large: bool) -> Training:
+    """The ppo or sft config with its null memory fields chosen by the model's size (large_model):
+    activation checkpointing and packed micro-batches of a token budget for a large model, neither
+    for a small one (where they only cost time). The same policy always gets the same choice."""
+    chosen: dict[str, Any] = {}
+    if config.gradient_checkpointing is None:
+        chosen["gradient_checkpointing"] = large
+    if config.max_tokens_per_micro_batch is None:
+        chosen["max_tokens_per_micro_batch"] = LARGE_MODEL_TOKENS_PER_MICRO_BATCH if large else 0
+    return config.model_copy(update=chosen)
+
+
+def micro_batches(sequences: list[RolloutSequence], rollouts: int, max_tokens: int) -> list[list[RolloutSequence]]:
+    """Split sequences into forward/backward passes (ppo-update's rollouts, sft's demonstrations):
+    `rollouts` at a time, or, with
+    max_tokens > 0, first-fit-decreasing bins of at most max_tokens tokens (a longer rollout
+    gets a bin of its own), which collate packs into one row: memory follows the token
+    budget, not the longest rollout times the number of rollouts."""
+    if max_tokens <= 0:
+        return [sequences[i : i + rollouts] for i in range(0, len(sequences), rollouts)]
+    bins: list[list[RolloutSequence]] = []
+    room: list[int] = []
+    for seq in sorted(sequences, key=lambda s: len(s.token_ids), reverse=True):
+        fits = next((b for b, free in enumerate(room) if free >= len(seq.token_ids)), None)
+        if fits is None:
+            bins.append([])
+            room.append(max_tokens)
+            fits = len(bins) - 1
+        bins[fits].append(seq)
+        room[fits] -= len(seq.token_ids)
+    return bins
 
 
 def eos_token_ids(tokenizer: Any, model: Any) -> list[int]:

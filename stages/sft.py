@@ -35,6 +35,8 @@ from stages.policy import (
     large_model,
     load_model,
     load_tokenizer,
+    memory_settings,
+    micro_batches,
 )
 from stages.registry import environment, registered_tools, tool_schemas
 
@@ -103,6 +105,24 @@ def demonstration_sequence(
     return sequence
 
 
+def accumulate_gradients(
+    model: torch.nn.Module, sequences: list[RolloutSequence], pad_token_id: int, max_tokens: int
+) -> float:
+    """Backward the step's loss, the mean negative log-likelihood of the sequences' assistant
+    tokens, in passes of at most `max_tokens` tokens, packed (0: one padded pass of them all);
+    the gradients add up to the one pass's. Returns the loss."""
+    device = next(model.parameters()).device
+    tokens = sum(len(sequence.target_positions) for sequence in sequences)
+    loss = 0.0
+    for micro in micro_batches(sequences, len(sequences), max_tokens):
+        batch = collate(micro, pad_token_id, device, packed=max_tokens > 0)
+        logprobs, _, _ = forward_targets(model, batch, 1.0, LOGPROB_CHUNK_TOKENS)
+        share = -logprobs.sum() / tokens  # this pass's share of the mean over the step's tokens
+        share.backward()
+        loss += share.item()
+    return loss
+
+
 def train_on_demonstrations(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -115,10 +135,11 @@ def train_on_demonstrations(
 ) -> list[dict[str, float]]:
     """Optimise `model` in place for config.steps AdamW steps, each on config.batch_size fresh
     demonstrations (seeded: the same seed trains on the same ones); the loss is the mean
-    negative log-likelihood of their assistant tokens. Returns one metrics dict per step."""
+    negative log-likelihood of their assistant tokens, its gradient accumulated over passes of at
+    most config.max_tokens_per_micro_batch tokens (0 or null: one padded pass). Returns one
+    metrics dict per step."""
     torch.manual_seed(seed)
     rng = random.Random(f"sft/{seed}")  # apart from the RL iterations' task seeds ("tasks/...")
-    device = next(model.parameters()).device
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=0.0)
     if config.gradient_checkpointing:
@@ -132,20 +153,17 @@ def train_on_demonstrations(
             demonstration_sequence(tokenizer, messages, tools, enable_thinking)
             for messages, tools in sample_demonstrations(tasks, rng, config.batch_size)
         ]
-        batch = collate(sequences, tokenizer.pad_token_id, device)
-        logprobs, _, _ = forward_targets(model, batch, 1.0, LOGPROB_CHUNK_TOKENS)
-        loss = -logprobs.mean()
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = accumulate_gradients(model, sequences, tokenizer.pad_token_id, config.max_tokens_per_micro_batch or 0)
         norm = torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm)
         optimizer.step()
         metrics.append(
             {
                 "step": step,
                 "demonstrations": len(sequences),
-                "tokens": len(logprobs),
+                "tokens": sum(len(sequence.target_positions) for sequence in sequences),
                 "learning_rate": learning_rate,
-                "loss": loss.item(),
+                "loss": loss,
                 "grad_norm": float(norm),
             }
         )
@@ -195,8 +213,7 @@ def supervised_fine_tune(
     """sft: load the policy (float32), train it on demonstrations of `tasks` (demonstrators), and
     return it ready to save as a new policy."""
     model, tokenizer = load_model(policy_dir, "float32", device), load_tokenizer(str(policy_dir))
-    if config.gradient_checkpointing is None:  # null: by the model's size, as ppo-update chooses
-        config = config.model_copy(update={"gradient_checkpointing": large_model(policy_dir)})
+    config = memory_settings(config, large_model(policy_dir))  # null memory fields: as ppo-update chooses
     metrics = train_on_demonstrations(
         model,
         tokenizer,

@@ -18,6 +18,7 @@ from stages.policy import (
     eos_token_ids,
     forward_targets,
     kl_estimate,
+    micro_batches,
     rollout_sequences,
     score_rollouts,
     token_logprobs,
@@ -25,7 +26,6 @@ from stages.policy import (
 from stages.ppo_update import (
     aggregate,
     build_optimizer,
-    micro_batches,
     optimise_policy,
     policy_loss,
     token_loss,
@@ -400,7 +400,7 @@ def test_saved_optimizer_state_continues_adam_exactly_across_iterations(tiny, ro
 
 
 def test_memory_settings_follow_the_model_size_unless_set():
-    from stages.ppo_update import LARGE_MODEL_TOKENS_PER_MICRO_BATCH, memory_settings
+    from stages.policy import LARGE_MODEL_TOKENS_PER_MICRO_BATCH, memory_settings
 
     unset = PPOConfig()
     small, large = memory_settings(unset, large=False), memory_settings(unset, large=True)

@@ -14,9 +14,10 @@ from pipeline.models import EMBEDDED_POLICY
 from schemas.config import RunConfig, SFTConfig
 from schemas.token_stream import rollouts
 from stages.environments import ENVIRONMENTS, CalculatorEnv, Environment
-from stages.policy import collate, forward_targets, load_model, load_tokenizer
+from stages.policy import collate, forward_targets, load_model, load_tokenizer, micro_batches
 from stages.registry import tool_schemas
 from stages.sft import (
+    accumulate_gradients,
     check_demonstrations,
     demonstration_sequence,
     demonstrators,
@@ -137,6 +138,26 @@ def test_sft_lowers_the_loss_on_demonstrations_it_did_not_see_and_moves_every_la
     assert loss_after < 0.8 * loss_before
     moved = [name for name, p in model.named_parameters() if not torch.equal(p, before[name])]
     assert len(moved) == len(before)
+
+
+def test_a_steps_gradient_over_packed_passes_of_a_token_budget_is_the_one_pass_gradient(tiny):
+    """sft.max_tokens_per_micro_batch: the step's demonstrations in packed passes of at most N
+    tokens (memory follows the budget) give the loss and the gradients of one padded pass."""
+    _, tokenizer = tiny
+    sequences = [
+        demonstration_sequence(tokenizer, messages, tools, True)
+        for messages, tools in sample_demonstrations(tasks("calculator,guess-number"), random.Random(0), 6)
+    ]
+    longest = max(len(sequence.token_ids) for sequence in sequences)
+    losses, gradients = [], []
+    for max_tokens in (0, longest + 10):  # one padded pass; packed passes of about two demonstrations
+        model = load_model(EMBEDDED_POLICY, "float32", "cpu")
+        losses.append(accumulate_gradients(model, sequences, tokenizer.pad_token_id, max_tokens))
+        gradients.append({name: p.grad for name, p in model.named_parameters()})
+    assert len(micro_batches(sequences, len(sequences), longest + 10)) > 1
+    assert losses[1] == pytest.approx(losses[0], abs=1e-5)
+    for name, one_pass in gradients[0].items():
+        torch.testing.assert_close(gradients[1][name], one_pass, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_the_warm_start_is_versioned_apart_from_the_rl_stages():

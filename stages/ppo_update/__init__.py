@@ -42,6 +42,8 @@ from stages.policy import (
     large_model,
     load_model,
     load_tokenizer,
+    memory_settings,
+    micro_batches,
     rollout_sequences,
 )
 from stages.ppo_update.checkpoint import load_optimizer_state, optimizer_tensors, save_policy
@@ -158,44 +160,6 @@ def aggregate(
 # ---------------------------------------------------------------------------------------
 # 2. Batching rollouts into sequences
 # ---------------------------------------------------------------------------------------
-
-
-# For a large model (stages.policy.large_model). Small, because a packed pass attends over its
-# whole row under a block-diagonal mask: CPU attention builds scores quadratic in the row's length
-# (a 135M model's update with 4096-token passes peaked at 5.6 GB, 4.2 GB above its start).
-LARGE_MODEL_TOKENS_PER_MICRO_BATCH = 1024
-
-
-def memory_settings(config: PPOConfig, large: bool) -> PPOConfig:
-    """The config with its null memory fields chosen by the model's size (stages.policy.large_model):
-    activation checkpointing and packed micro-batches of a token budget for a large model, neither
-    for a small one (where they only cost time). The same policy always gets the same choice."""
-    chosen: dict[str, Any] = {}
-    if config.gradient_checkpointing is None:
-        chosen["gradient_checkpointing"] = large
-    if config.max_tokens_per_micro_batch is None:
-        chosen["max_tokens_per_micro_batch"] = LARGE_MODEL_TOKENS_PER_MICRO_BATCH if large else 0
-    return config.model_copy(update=chosen)
-
-
-def micro_batches(sequences: list[RolloutSequence], rollouts: int, max_tokens: int) -> list[list[RolloutSequence]]:
-    """Split sequences into forward/backward passes: `rollouts` at a time, or, with
-    max_tokens > 0, first-fit-decreasing bins of at most max_tokens tokens (a longer rollout
-    gets a bin of its own), which collate packs into one row: memory follows the token
-    budget, not the longest rollout times the number of rollouts."""
-    if max_tokens <= 0:
-        return [sequences[i : i + rollouts] for i in range(0, len(sequences), rollouts)]
-    bins: list[list[RolloutSequence]] = []
-    room: list[int] = []
-    for seq in sorted(sequences, key=lambda s: len(s.token_ids), reverse=True):
-        fits = next((b for b, free in enumerate(room) if free >= len(seq.token_ids)), None)
-        if fits is None:
-            bins.append([])
-            room.append(max_tokens)
-            fits = len(bins) - 1
-        bins[fits].append(seq)
-        room[fits] -= len(seq.token_ids)
-    return bins
 
 
 # ---------------------------------------------------------------------------------------
