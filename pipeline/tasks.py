@@ -45,7 +45,7 @@ from schemas.features import PPO_UPDATE, SFT, dataset_from_rows, token_counts
 from schemas.token_stream import chat_template_hash
 from stages import assign_rewards, compute_advantages, execute_tools, generate_rollouts, ppo_update, sft
 from stages.generate_rollouts.engine import GenerationEngine, open_engine
-from stages.policy import large_model, load_tokenizer, memory_settings, parameter_count
+from stages.policy import load_tokenizer, parameter_count, training_memory
 from stages.registry import run_environments
 from stages.task_mix import load_plugins, turn_limit
 
@@ -366,7 +366,7 @@ def ppo_update_task(
     recompute = config.recomputes_old_logprobs() or stale
     parameters = parameter_count(store.policy_dir(parents[POLICY]))
     ppo = config.ppo.model_copy(update={"recompute_old_logprobs": recompute})
-    ppo = memory_settings(ppo, large_model(store.policy_dir(parents[POLICY])))
+    ppo = training_memory(ppo, store.policy_dir(parents[POLICY]), config.model.device)
     training = {
         "train_critic": config.advantage.estimator in compute_advantages.NEEDS_VALUES,
         "seed": config.seed + iteration,
@@ -431,7 +431,7 @@ def sft_task(
     """The warm start: fine-tune the starting policy on demonstrations and write the result as a
     policy of iteration -1 (RL's iteration 0 trains it), then the per-step metrics."""
     load_plugins(config.task.plugins)  # the demonstrations' environments may be a plugin's
-    chosen = memory_settings(config.sft, large_model(store.policy_dir(parents[POLICY])))
+    chosen = training_memory(config.sft, store.policy_dir(parents[POLICY]), config.model.device)
     with peak_memory() as memory:
         trained = sft.supervised_fine_tune(
             store.policy_dir(parents[POLICY]),

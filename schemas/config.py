@@ -290,8 +290,8 @@ class PPOConfig(Section):
         None,
         ge=0,
         description="Pack rollouts into forward/backward passes of at most this many tokens, no padding "
-        "(0 = micro_batch_rollouts padded rollouts per pass). null = by the model's size: 1024 from 50M "
-        "parameters, else 0 (the choice is in the ppo-update manifest).",
+        "(0 = micro_batch_rollouts padded rollouts per pass). null = by the model's size and the device: 1024 "
+        "from 50M parameters on the CPU, else 0 (the choice is in the ppo-update manifest).",
     )
     gradient_checkpointing: bool | None = Field(
         None,
@@ -431,8 +431,8 @@ class SFTConfig(Section):
         None,
         ge=0,
         description="Pack a step's demonstrations into forward/backward passes of at most this many tokens, no "
-        "padding (0 = all of them in one padded pass). null = by the model's size, as "
-        "ppo.max_tokens_per_micro_batch: 1024 from 50M parameters, else 0.",
+        "padding (0 = all of them in one padded pass). null = as ppo.max_tokens_per_micro_batch: 1024 from "
+        "50M parameters on the CPU, else 0.",
     )
 
     @model_validator(mode="after")

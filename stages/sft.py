@@ -32,11 +32,10 @@ from stages.policy import (
     RolloutSequence,
     collate,
     forward_targets,
-    large_model,
     load_model,
     load_tokenizer,
-    memory_settings,
     micro_batches,
+    training_memory,
 )
 from stages.registry import environment, registered_tools, tool_schemas
 
@@ -213,7 +212,7 @@ def supervised_fine_tune(
     """sft: load the policy (float32), train it on demonstrations of `tasks` (demonstrators), and
     return it ready to save as a new policy."""
     model, tokenizer = load_model(policy_dir, "float32", device), load_tokenizer(str(policy_dir))
-    config = memory_settings(config, large_model(policy_dir))  # null memory fields: as ppo-update chooses
+    config = training_memory(config, policy_dir, device)  # null memory fields: as ppo-update chooses
     metrics = train_on_demonstrations(
         model,
         tokenizer,

@@ -59,6 +59,12 @@ def prefect_server(prefect_server_env):
     settings = {PREFECT_API_URL: prefect_server_env["PREFECT_API_URL"], PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}
     with temporary_settings(settings):
         yield
+        # the last logs and events reach the server before it stops (as prefect_test_harness does)
+        from prefect.events.worker import EventsWorker
+        from prefect.logging.handlers import APILogWorker
+
+        APILogWorker.drain_all()
+        EventsWorker.drain_all()
 
 
 @pytest.fixture(scope="session")

@@ -409,6 +409,8 @@ def test_memory_settings_follow_the_model_size_unless_set():
         True,
         LARGE_MODEL_TOKENS_PER_MICRO_BATCH,
     )
+    on_gpu = memory_settings(unset, large=True, on_gpu=True)  # a GPU: padded passes, faster there
+    assert (on_gpu.gradient_checkpointing, on_gpu.max_tokens_per_micro_batch) == (True, 0)
     chosen = PPOConfig(gradient_checkpointing=False, max_tokens_per_micro_batch=512)
     assert memory_settings(chosen, large=True) == chosen  # what the user set is kept
 

@@ -39,12 +39,12 @@ from stages.policy import (
     ValueHead,
     collate,
     kl_estimate,
-    large_model,
     load_model,
     load_tokenizer,
     memory_settings,
     micro_batches,
     rollout_sequences,
+    training_memory,
 )
 from stages.ppo_update.checkpoint import load_optimizer_state, optimizer_tensors, save_policy
 from stages.sharding import SINGLE, Ranks, grad_norm, passes, shard_model
@@ -372,7 +372,7 @@ def train_policy(
     With several `ranks` (under torchrun, see stages/ppo_update/worker.py) the policy is sharded with
     FSDP2 and the value head replicated; rank 0 gets the trained policy back whole, the other
     ranks None."""
-    config = memory_settings(config, large_model(policy_dir))
+    config = training_memory(config, policy_dir, device)
     model, tokenizer = load_model(policy_dir, "float32", device), load_tokenizer(str(policy_dir))
     value_head = None
     if train_critic:
