@@ -78,6 +78,26 @@ def _delete_pruned(folder: Path, manifest: Manifest) -> None:
         _fsync_dir(folder)
 
 
+def _policy_problems(folder: Path, manifest: Manifest) -> list[str]:
+    """A policy folder's files against its manifest (store.policy_dir); a folder that matched
+    is not hashed again in this process while its files keep their sizes and times."""
+    # a prune that died between its two steps left files its manifest calls pruned: they go
+    # before anything loads the folder (an AdamW state thought gone must not continue)
+    _delete_pruned(folder, manifest)
+    try:
+        stats = tuple(
+            (str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()
+        )
+        if stats in _VERIFIED:
+            return []
+        problems = digest_problems(manifest.kept_files(), file_digests(folder))
+    except FileNotFoundError as gone:  # deleted between the listing and its reading
+        return [f"missing file {Path(gone.filename or '?').name}"]
+    if not problems:
+        _VERIFIED.add(stats)
+    return problems
+
+
 def _fsync_tree(folder: Path) -> None:
     for path in folder.rglob("*"):
         if path.is_file():
@@ -162,20 +182,19 @@ class Store:
         """Directory to load a policy from (its folder in the store), after its files were
         checked against the digests recorded when it was written or imported: edited or
         truncated weights are never loaded. A folder is hashed once per process while its files
-        keep their sizes and modification times."""
+        keep their sizes and modification times.
+
+        A retention pass may prune the folder's AdamW state while it is checked (with
+        ppo.max_staleness the batch made ahead reads a policy while the update beside it prunes
+        older ones): its manifest says so before the file goes, so a check that finds a file gone
+        reads the manifest again and, when it changed, checks once more against it."""
+        folder = self.path(POLICY, version)
         manifest = self.manifest(POLICY, version)
-        folder, expected = self.path(POLICY, version), manifest.kept_files()
-        # a prune that died between its two steps left files its manifest calls pruned: they go
-        # before anything loads the folder (an AdamW state thought gone must not continue)
-        _delete_pruned(folder, manifest)
-        stats = tuple(
-            (str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()
-        )
-        if stats not in _VERIFIED:
-            problems = digest_problems(expected, file_digests(folder))
-            if problems:
-                raise StoreError(f"policy/{version} at {folder} is corrupted or was edited: {'; '.join(problems)}")
-            _VERIFIED.add(stats)
+        problems = _policy_problems(folder, manifest)
+        if problems and (now := self.manifest(POLICY, version)).pruned != manifest.pruned:
+            problems = _policy_problems(folder, now)  # a prune landed while the files were read
+        if problems:
+            raise StoreError(f"policy/{version} at {folder} is corrupted or was edited: {'; '.join(problems)}")
         return folder
 
     def versions(self, stage: str | None = None) -> list[Manifest]:

@@ -25,6 +25,7 @@ def run_once(runs_dir):
     return {f"{m.stage}/{m.version}": m.files for m in store.versions()}
 
 
+@pytest.mark.slow  # two whole runs
 def test_two_runs_write_the_same_versions_with_byte_identical_files(tmp_path):
     first, second = run_once(tmp_path / "a"), run_once(tmp_path / "b")
     assert set(first) == set(second)

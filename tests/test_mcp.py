@@ -55,6 +55,7 @@ def gone(pids: set[int], within_s: float) -> bool:
     return not pids & set(server_processes())
 
 
+@pytest.mark.slow  # real MCP servers, one crashed and started again
 def test_a_servers_tools_are_tools_and_every_call_gets_what_a_tool_call_gets(tmp_path):
     config = with_server()
     tools = registered_tools(config)

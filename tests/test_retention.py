@@ -63,6 +63,29 @@ def test_a_prune_says_so_in_the_manifest_and_the_digest_check_stays_clean(tmp_pa
     assert store.verify(POLICY, "p") == ["model.safetensors differs from its digest"]
 
 
+def test_a_prune_landing_while_a_policy_is_checked_is_no_corruption(tmp_path, monkeypatch):
+    """With ppo.max_staleness the batch made ahead checks the policy it generates with while the
+    update beside it prunes older AdamW states: a prune that lands between the check's reading of
+    the manifest and of the files (injected here) is read from the manifest, not called corruption."""
+    import pipeline.store as store_module
+
+    store = Store(tmp_path)
+    write_policy(store, "p")
+    real_digests = store_module.file_digests
+
+    def prune_first(folder):
+        monkeypatch.setattr(store_module, "file_digests", real_digests)
+        store.prune(POLICY, "p", [OPTIMIZER_FILE], "retention beside the check")
+        return real_digests(folder)
+
+    monkeypatch.setattr(store_module, "file_digests", prune_first)
+    assert store.policy_dir("p") == store.path(POLICY, "p")
+    assert OPTIMIZER_FILE in store.manifest(POLICY, "p").pruned
+    (store.path(POLICY, "p") / "model.safetensors").write_bytes(b"edited")  # an edit is still caught
+    with pytest.raises(StoreError, match="model.safetensors differs from its digest"):
+        store.policy_dir("p")
+
+
 def killed_pruner(runs_dir: Path, version: str, kill_at: str) -> None:
     """A process that prunes a policy's AdamW state and dies (SIGKILL) at `kill_at`: the rename
     of the new manifest over the old one (os.replace), or the deletion of the file (unlink)."""

@@ -36,6 +36,7 @@ print(json.dumps({"torch": torch.get_num_threads(), "tool_worker": result.conten
 """
 
 
+@pytest.mark.slow  # a fresh process, its Prefect server and tool workers
 def test_the_thread_setting_reaches_this_process_its_tool_workers_and_its_prefect_server():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     env.pop("OMP_NUM_THREADS", None)
