@@ -364,9 +364,10 @@ def ppo_update_task(
     # against the trained policy's recomputed logprobs, the TIS weight corrects from the generating one.
     stale = generating != parents[POLICY]
     recompute = config.recomputes_old_logprobs() or stale
-    parameters = parameter_count(store.policy_dir(parents[POLICY]))
+    policy_dir = store.policy_dir(parents[POLICY])  # its files checked once, here
+    parameters = parameter_count(policy_dir)
     ppo = config.ppo.model_copy(update={"recompute_old_logprobs": recompute})
-    ppo = training_memory(ppo, store.policy_dir(parents[POLICY]), config.model.device)
+    ppo = training_memory(ppo, policy_dir, config.model.device)
     training = {
         "train_critic": config.advantage.estimator in compute_advantages.NEEDS_VALUES,
         "seed": config.seed + iteration,
@@ -383,7 +384,7 @@ def ppo_update_task(
             if config.ppo.world_size == 1:
                 trained = ppo_update.train_policy(
                     turns,
-                    store.policy_dir(parents[POLICY]),
+                    policy_dir,
                     config=ppo,
                     temperature=config.generation.temperature,
                     device=config.model.device,
@@ -393,7 +394,7 @@ def ppo_update_task(
                 trained = train_with_torchrun(
                     config.model_copy(update={"ppo": ppo}),
                     turns_dir=store.path("compute-advantages", parents["compute-advantages"]),
-                    policy_dir=store.policy_dir(parents[POLICY]),
+                    policy_dir=policy_dir,
                     work=work,
                     log=get_run_logger().info,
                     **training,
@@ -431,10 +432,11 @@ def sft_task(
     """The warm start: fine-tune the starting policy on demonstrations and write the result as a
     policy of iteration -1 (RL's iteration 0 trains it), then the per-step metrics."""
     load_plugins(config.task.plugins)  # the demonstrations' environments may be a plugin's
-    chosen = training_memory(config.sft, store.policy_dir(parents[POLICY]), config.model.device)
+    policy_dir = store.policy_dir(parents[POLICY])  # its files checked once, here
+    chosen = training_memory(config.sft, policy_dir, config.model.device)
     with peak_memory() as memory:
         trained = sft.supervised_fine_tune(
-            store.policy_dir(parents[POLICY]),
+            policy_dir,
             config=chosen,
             tasks=sft.demonstrators(config),
             seed=config.seed,
