@@ -170,7 +170,14 @@ STAGES: dict[str, Stage] = {
             # the policy's critic (estimators that need values), the reference policy (a KL penalty)
             inputs=("assign-rewards", POLICY, f"{POLICY}#reference"),
             features=features.COMPUTE_ADVANTAGES,
-            config=("advantage", "ppo.kl_coef", "ppo.kl_estimator", "ppo.kl_in", "generation.temperature"),
+            config=(
+                "advantage",
+                "ppo.kl_coef",
+                "ppo.kl_estimator",
+                "ppo.kl_in",
+                "ppo.share_prefix",
+                "generation.temperature",
+            ),
             derived=("device",),
             code=("stages/compute_advantages.py",),
             rerun_from="assign-rewards",

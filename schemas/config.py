@@ -293,6 +293,14 @@ class PPOConfig(Section):
         "(0 = micro_batch_rollouts padded rollouts per pass). null = by the model's size and the device: 1024 "
         "from 50M parameters on the CPU, else 0 (the choice is in the ppo-update manifest).",
     )
+    share_prefix: bool = Field(
+        True,
+        description="Compute the common prefix of rollouts in one pass once (a group's prompt, the system "
+        "prompt and tools): every training and scoring pass (reference logprobs, values, old logprobs) lays "
+        "them out as one prefix and each one's remainder under a shared-prefix attention mask, the same "
+        "logprobs and gradients from fewer tokens. Models whose attention takes no custom mask (flash "
+        "attention) or has sliding-window layers are scored unshared.",
+    )
     gradient_checkpointing: bool | None = Field(
         None,
         description="Recompute layer activations in the backward pass (less memory, ~1/3 more compute). null = by "

@@ -294,6 +294,7 @@ def score_with_policies(
             chunk_tokens=ppo.logprob_chunk_tokens,
             batch_rollouts=ppo.micro_batch_rollouts,
             value_head=ValueHead.load(policy_dir, model.config.hidden_size) if with_value_head else None,
+            share_prefix=ppo.share_prefix,
         )
 
     values = score(critic_dir, with_value_head=True)[1] if critic_dir is not None else None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -139,24 +140,37 @@ def training_memory(config: Training, policy_dir: str | Path, device: str) -> Tr
     return memory_settings(config, large_model(policy_dir), on_gpu=pick_device(device).type == "cuda")
 
 
-def micro_batches(sequences: list[RolloutSequence], rollouts: int, max_tokens: int) -> list[list[RolloutSequence]]:
+def micro_batches(
+    sequences: list[RolloutSequence], rollouts: int, max_tokens: int, share_prefix: bool = False
+) -> list[list[RolloutSequence]]:
     """Split sequences into forward/backward passes (ppo-update's rollouts, sft's demonstrations):
-    `rollouts` at a time, or, with
-    max_tokens > 0, first-fit-decreasing bins of at most max_tokens tokens (a longer rollout
-    gets a bin of its own), which collate packs into one row: memory follows the token
-    budget, not the longest rollout times the number of rollouts."""
+    `rollouts` at a time, or, with max_tokens > 0, first-fit-decreasing bins of at most max_tokens
+    computed tokens (a longer rollout gets a bin of its own), which collate packs into one row:
+    memory follows the token budget, not the longest rollout times the number of rollouts.
+    With share_prefix, sequences with a common prefix are binned together and cost it once
+    (computed_tokens); a unit over the budget is split."""
     if max_tokens <= 0:
         return [sequences[i : i + rollouts] for i in range(0, len(sequences), rollouts)]
+    pieces: list[list[RolloutSequence]] = []
+    for unit in prefix_units(sequences) if share_prefix else [[s] for s in sequences]:
+        piece: list[RolloutSequence] = []
+        for seq in unit:
+            if piece and computed_tokens([*piece, seq]) > max_tokens:
+                pieces.append(piece)
+                piece = []
+            piece.append(seq)
+        pieces.append(piece)
     bins: list[list[RolloutSequence]] = []
     room: list[int] = []
-    for seq in sorted(sequences, key=lambda s: len(s.token_ids), reverse=True):
-        fits = next((b for b, free in enumerate(room) if free >= len(seq.token_ids)), None)
+    for piece in sorted(pieces, key=computed_tokens, reverse=True):
+        cost = computed_tokens(piece)
+        fits = next((b for b, free in enumerate(room) if free >= cost), None)
         if fits is None:
             bins.append([])
             room.append(max_tokens)
             fits = len(bins) - 1
-        bins[fits].append(seq)
-        room[fits] -= len(seq.token_ids)
+        bins[fits] += piece
+        room[fits] -= cost
     return bins
 
 
@@ -281,36 +295,111 @@ def rollout_sequences(turns: datasets.Dataset, include_failed: bool = False) -> 
     return sequences
 
 
-def collate(
-    batch: list[RolloutSequence], pad_token_id: int, device: torch.device, packed: bool = False
-) -> dict[str, torch.Tensor]:
-    """Token ids plus flat per-target-token tensors (and which sequence each is from).
+def common_prefix_length(sequences: list[RolloutSequence]) -> int:
+    """How many leading tokens `sequences` can share in one pass: their common prefix, up to the
+    token before the first predicted one. So every predicted token is predicted by a hidden state
+    of its own sequence: one hidden state predicting several tokens sums their gradients in an
+    order that varies from run to run with two threads (measured: the same update differed by
+    1e-6 between runs)."""
+    first = sequences[0].token_ids
+    length = len(first)
+    for seq in sequences:
+        length = min(length, len(seq.token_ids), *(p - 1 for p in seq.target_positions[:1]))
+        length = next((i for i in range(length) if seq.token_ids[i] != first[i]), length)
+    return max(length, 0)
 
-    Padded: one right-padded row per sequence, with an attention mask. Packed: all sequences
-    in one row, no padding, position ids restarting at 0 for each; transformers then builds
-    a block-diagonal causal mask from the position ids, so a sequence never attends to
-    another one and its logprobs equal the padded ones."""
-    starts = [0] * len(batch)
-    if packed:
-        for b in range(1, len(batch)):
-            starts[b] = starts[b - 1] + len(batch[b - 1].token_ids)
-        input_ids = torch.tensor([[t for s in batch for t in s.token_ids]], dtype=torch.long)
-        position_ids = torch.tensor([[p for s in batch for p in range(len(s.token_ids))]], dtype=torch.long)
-    else:
-        width = max(len(s.token_ids) for s in batch)
-        input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for b, seq in enumerate(batch):
-            input_ids[b, : len(seq.token_ids)] = torch.tensor(seq.token_ids)
-            attention_mask[b, : len(seq.token_ids)] = 1
-    sequence_index, rows, positions = [], [], []
+
+def computed_tokens(unit: list[RolloutSequence]) -> int:
+    """Tokens a pass computes for sequences laid out as one unit: their common prefix once, then
+    each one's remainder."""
+    shared = common_prefix_length(unit)
+    return shared + sum(len(seq.token_ids) - shared for seq in unit)
+
+
+def prefix_units(sequences: list[RolloutSequence]) -> list[list[RolloutSequence]]:
+    """The sequences in units that share a prefix (a group's prompt; with one system prompt and
+    toolset, every rollout's first tokens). In token order, a sequence joins the unit before it
+    when that computes no more tokens than starting a unit of its own: with k members sharing L
+    tokens, a newcomer sharing L' <= L with them joins when k * L' >= (k - 1) * L."""
+    units: list[list[RolloutSequence]] = []
+    shared = 0
+    for seq in sorted(sequences, key=lambda s: s.token_ids):
+        if units:
+            joined = min(shared, common_prefix_length([units[-1][-1], seq]))
+            if joined > 0 and len(units[-1]) * joined >= (len(units[-1]) - 1) * shared:
+                units[-1].append(seq)
+                shared = joined
+                continue
+        units.append([seq])
+        shared = len(seq.token_ids)
+    return units
+
+
+def collate(
+    batch: list[RolloutSequence],
+    pad_token_id: int,
+    device: torch.device,
+    packed: bool = False,
+    share_prefix: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Token ids plus flat per-target-token tensors, in `batch` order (and which sequence each is
+    from): `targets` sits at (`rows`, `positions`) of input_ids and is predicted by the hidden
+    state at (`rows`, `predictors`).
+
+    Padded: one right-padded row per sequence, with an attention mask. Packed: all sequences in
+    one row, no padding, position ids restarting at 0 for each; transformers then builds a
+    block-diagonal causal mask from the position ids, so a sequence never attends to another one
+    and its logprobs equal the padded ones.
+
+    share_prefix: sequences that start alike (prefix_units) form one unit, their common prefix
+    once and then each one's remainder, with the position ids it has in its own sequence, under a
+    4D mask where a remainder sees the prefix and itself only: the unshared logprobs (and
+    gradients) from fewer computed tokens. A unit per row when padded, all in one row when packed."""
+    units = prefix_units(batch) if share_prefix else [[seq] for seq in batch]
+    # Per row: token ids, position ids, and per token its unit (-1: padding) and branch (0: the
+    # shared prefix, i: the remainder of the unit's i-th member); per sequence, where each of its
+    # stream positions sits in its row.
+    tokens: list[list[int]] = []
+    position_ids: list[list[int]] = []
+    unit_of: list[list[int]] = []
+    branch_of: list[list[int]] = []
+    placed: dict[int, tuple[int, Callable[[int], int]]] = {}
+    for u, unit in enumerate(units):
+        if not tokens or not packed:
+            tokens.append([]), position_ids.append([]), unit_of.append([]), branch_of.append([])
+        shared = common_prefix_length(unit)
+        start = len(tokens[-1])
+        tokens[-1] += unit[0].token_ids[:shared]
+        position_ids[-1] += range(shared)
+        unit_of[-1] += [u] * shared
+        branch_of[-1] += [0] * shared
+        for branch, seq in enumerate(unit, start=1):
+            rest = len(tokens[-1]) - shared  # where position p >= shared of this member sits
+
+            def flat(p: int, start: int = start, rest: int = rest, shared: int = shared) -> int:
+                return start + p if p < shared else rest + p
+
+            placed[id(seq)] = (len(tokens) - 1, flat)
+            tokens[-1] += seq.token_ids[shared:]
+            position_ids[-1] += range(shared, len(seq.token_ids))
+            unit_of[-1] += [u] * (len(seq.token_ids) - shared)
+            branch_of[-1] += [branch] * (len(seq.token_ids) - shared)
+    width = max(len(row) for row in tokens)
+
+    def padded(rows: list[list[int]], fill: int) -> torch.Tensor:
+        return torch.tensor([row + [fill] * (width - len(row)) for row in rows], dtype=torch.long)
+
+    input_ids = padded(tokens, pad_token_id)
+    sequence_index, rows, positions, predictors = [], [], [], []
     for b, seq in enumerate(batch):
+        row, flat = placed[id(seq)]
         sequence_index += [b] * len(seq.target_positions)
-        rows += [0 if packed else b] * len(seq.target_positions)
-        positions += [starts[b] + p for p in seq.target_positions]
+        rows += [row] * len(seq.target_positions)
+        positions += [flat(p) for p in seq.target_positions]
+        predictors += [flat(p - 1) for p in seq.target_positions]  # position p is predicted at p - 1
     rows_t, positions_t = torch.tensor(rows, dtype=torch.long), torch.tensor(positions, dtype=torch.long)
 
-    def flat(name: str) -> torch.Tensor:
+    def flat_values(name: str) -> torch.Tensor:
         return torch.tensor([x for s in batch for x in getattr(s, name)], dtype=torch.float32, device=device)
 
     out = {
@@ -318,16 +407,43 @@ def collate(
         "sequence_index": torch.tensor(sequence_index, dtype=torch.long, device=device),
         "rows": rows_t.to(device),
         "positions": positions_t.to(device),
+        "predictors": torch.tensor(predictors, dtype=torch.long, device=device),
         "targets": input_ids[rows_t, positions_t].to(device),
     }
-    if packed:
-        out["position_ids"] = position_ids.to(device)
+    if share_prefix:
+        unit_t, branch_t = padded(unit_of, -1), padded(branch_of, 0)
+        causal = torch.ones(width, width, dtype=torch.bool).tril()
+        same_unit = unit_t[:, :, None] == unit_t[:, None, :]
+        sees_branch = (branch_t[:, None, :] == 0) | (branch_t[:, :, None] == branch_t[:, None, :])
+        out["attention_mask"] = (causal & same_unit & sees_branch)[:, None].to(device)  # [rows, 1, query, key]
+        out["position_ids"] = padded(position_ids, 0).to(device)
+    elif packed:
+        out["position_ids"] = padded(position_ids, 0).to(device)
     else:
-        out["attention_mask"] = attention_mask.to(device)
+        out["attention_mask"] = (padded(unit_of, -1) >= 0).long().to(device)
     for name in ("generation_logprobs", "old_logprobs", "advantages", "returns", "old_values", "ref_logprobs"):
         if all(len(getattr(s, name)) == len(s.target_positions) for s in batch):
-            out[name] = flat(name)
+            out[name] = flat_values(name)
     return out
+
+
+def shares_prefix(model: torch.nn.Module) -> bool:
+    """Can this model take collate's shared-prefix mask? Its attention must take a custom mask
+    (sdpa, eager) and attend over the whole context in every layer: a custom mask replaces a
+    sliding window's, so a model with sliding-window layers is scored unshared."""
+    config = model.config
+    full = all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or [])
+    windowed = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    return config._attn_implementation in ("sdpa", "eager") and full and not windowed
+
+
+def attention_mask_for(model: torch.nn.Module, mask: torch.Tensor) -> torch.Tensor:
+    """collate's boolean 4D mask (True: attend) as the model's attention takes it: sdpa as it is,
+    eager as an additive mask."""
+    if model.config._attn_implementation != "eager":
+        return mask
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
 
 
 def forward_targets(
@@ -338,14 +454,17 @@ def forward_targets(
     value_head: ValueHead | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Logprobs, entropies and (with a value head) values of the batch's target tokens."""
+    attention_mask = batch.get("attention_mask")
+    if attention_mask is not None and attention_mask.dim() == 4:  # collate's shared-prefix mask, boolean
+        attention_mask = attention_mask_for(model, attention_mask)
     hidden = model.get_decoder()(
         input_ids=batch["input_ids"],
-        attention_mask=batch.get("attention_mask"),
+        attention_mask=attention_mask,
         position_ids=batch.get("position_ids"),
         use_cache=False,
     ).last_hidden_state
     # The token at position p is predicted by (and its state is) the hidden state at p - 1.
-    predicting = hidden[batch["rows"], batch["positions"] - 1]
+    predicting = hidden[batch["rows"], batch["predictors"]]
     logprobs, entropy = token_logprobs(
         predicting, model.get_output_embeddings(), batch["targets"], temperature, chunk_tokens
     )
@@ -382,9 +501,11 @@ def score_rollouts(
     chunk_tokens: int,
     batch_rollouts: int,
     value_head: ValueHead | None = None,
+    share_prefix: bool = False,
 ) -> tuple[list[list[float]], list[list[float]]]:
     """Per dataset row: logprobs of its completion tokens under `model` (and values, with a
-    value head). Used for reference-model logprobs and critic values."""
+    value head). Used for reference-model logprobs and critic values; `share_prefix` computes the
+    common prefix of a chunk's rollouts once where the model allows (shares_prefix)."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -392,11 +513,11 @@ def score_rollouts(
     values_of: list[list[float]] = [[] for _ in range(len(turns))]
     lengths = [len(t) for t in turns["completion_token_ids"]]
     sequences = rollout_sequences(turns, include_failed=True)
+    share_prefix = share_prefix and shares_prefix(model)
     for start in range(0, len(sequences), batch_rollouts):
         chunk = sequences[start : start + batch_rollouts]
-        logprobs, _, values = forward_targets(
-            model, collate(chunk, pad_token_id, device), temperature, chunk_tokens, value_head
-        )
+        batch = collate(chunk, pad_token_id, device, share_prefix=share_prefix)
+        logprobs, _, values = forward_targets(model, batch, temperature, chunk_tokens, value_head)
         offset = 0
         for seq in chunk:
             for row in seq.rows:

@@ -13,14 +13,19 @@ from schemas.config import PPOConfig, RunConfig
 from schemas.features import COMPUTE_ADVANTAGES
 from stages.generate_rollouts.hf import HFEngine
 from stages.policy import (
+    RolloutSequence,
     ValueHead,
     collate,
+    common_prefix_length,
+    computed_tokens,
     eos_token_ids,
     forward_targets,
     kl_estimate,
     micro_batches,
+    prefix_units,
     rollout_sequences,
     score_rollouts,
+    shares_prefix,
     token_logprobs,
 )
 from stages.ppo_update import (
@@ -424,3 +429,181 @@ def test_the_size_rule_counts_the_saved_models_parameters(tiny):
     count = parameter_count(EMBEDDED_POLICY)
     assert count == sum(p.numel() for p in load_model(EMBEDDED_POLICY, "float32", "cpu").parameters())
     assert large_model(EMBEDDED_POLICY) is (count >= LARGE_MODEL_PARAMETERS) is False
+
+
+# ---------------------------------------------------------------------------------------
+# Shared-prefix passes: a common prompt computed once, the same numbers
+# ---------------------------------------------------------------------------------------
+
+
+def tiny_llama() -> torch.nn.Module:
+    """A random Llama-shaped policy (grouped-query attention, rotary positions), the architecture
+    of SmolLM2; the embedded policy is Qwen3-shaped."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.1,  # logits of order 1, so that a wrong position or mask shows
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def hand_built_group(vocab_size: int) -> list[RolloutSequence]:
+    """Rollouts of one prompt as a group makes them, and the cases around it: members whose first
+    completion tokens agree, an identical pair, a two-turn rollout, one that shares half the
+    prompt and one that shares nothing."""
+    rng = torch.Generator().manual_seed(1)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, vocab_size, (n,), generator=rng).tolist()
+
+    prompt, opening = tokens(40), tokens(3)  # `opening`: the same first completion tokens
+    sequences = []
+    for length in (9, 25, 17, 4):
+        completion = opening + tokens(length)
+        sequences.append(
+            RolloutSequence(token_ids=prompt + completion, target_positions=list(range(40, 40 + len(completion))))
+        )
+    sequences.append(copy.deepcopy(sequences[0]))
+    two_turns = RolloutSequence(
+        token_ids=list(sequences[1].token_ids), target_positions=list(sequences[1].target_positions)
+    )
+    second = tokens(6)
+    two_turns.token_ids += tokens(5) + second  # the observation and the generation prompt, then the second completion
+    two_turns.target_positions += range(len(two_turns.token_ids) - len(second), len(two_turns.token_ids))
+    sequences.append(two_turns)
+    sequences.append(RolloutSequence(token_ids=prompt[:20] + tokens(12), target_positions=list(range(24, 32))))
+    sequences.append(
+        RolloutSequence(token_ids=[(prompt[0] + 1) % vocab_size] + tokens(15), target_positions=[10, 11, 12])
+    )
+    for seq in sequences:
+        n = len(seq.target_positions)
+        seq.advantages = torch.linspace(-1.0, 1.0, n).tolist()
+    return sequences
+
+
+@pytest.mark.parametrize("architecture", ["embedded (Qwen3)", "Llama"])
+def test_shared_prefix_passes_give_the_unshared_logprobs_values_and_gradients(tiny, architecture):
+    model = copy.deepcopy(tiny[0]) if architecture.startswith("embedded") else tiny_llama()
+    assert shares_prefix(model)
+    sequences = hand_built_group(model.config.vocab_size)
+    value_head = ValueHead(model.config.hidden_size)
+    torch.manual_seed(0)
+    torch.nn.init.normal_(value_head.linear.weight, std=0.05)  # values of order 1, as returns
+
+    def run(packed: bool, share_prefix: bool):
+        model.zero_grad(), value_head.zero_grad()
+        batch = collate(sequences, 0, torch.device("cpu"), packed=packed, share_prefix=share_prefix)
+        logprobs, entropy, values = forward_targets(model, batch, 0.7, 16, value_head)
+        ((logprobs + 0.1 * entropy) * batch["advantages"]).sum().add(values.square().sum()).backward()
+        grads = [p.grad.clone() for p in [*model.parameters(), *value_head.parameters()]]
+        computed = int((batch["input_ids"] != 0).sum()) if not packed else batch["input_ids"].numel()
+        return logprobs.detach(), entropy.detach(), values.detach(), grads, computed
+
+    reference = run(packed=False, share_prefix=False)
+    unshared_tokens = sum(len(s.token_ids) for s in sequences)
+    for packed in (False, True):
+        logprobs, entropy, values, grads, computed = run(packed, share_prefix=True)
+        assert (logprobs - reference[0]).abs().max() < 1e-5
+        assert (entropy - reference[1]).abs().max() < 1e-4
+        assert (values - reference[2]).abs().max() < 1e-5
+        for ours, unshared in zip(grads, reference[3]):  # per parameter, relative to its largest gradient
+            assert (ours - unshared).abs().max() <= 1e-5 * unshared.abs().max() + 1e-8
+        if packed:  # the prompt once: 40 + 40 + 40 ... tokens fewer
+            assert computed <= unshared_tokens - 4 * 40
+
+
+def test_a_prefix_is_shared_while_it_saves_tokens_and_never_holds_a_predicted_token():
+    def seq(tokens: list[int], first_target: int) -> RolloutSequence:
+        return RolloutSequence(token_ids=tokens, target_positions=list(range(first_target, len(tokens))))
+
+    a, b = seq([1, 2, 3, 4, 5, 10, 11], 5), seq([1, 2, 3, 4, 5, 12, 13], 5)
+    c, d = seq([1, 2, 3, 9, 14], 4), seq([7, 7, 7], 2)
+    # a and b share 5 tokens, but the 5th predicts their first target: 4 are shared; c shares 3
+    # with them (3 x 3 >= 2 x 4: it joins), d nothing.
+    assert common_prefix_length([a, b]) == 4 and common_prefix_length([a, b, c]) == 3
+    assert [[id(s) for s in unit] for unit in prefix_units([d, c, b, a])] == [[id(a), id(b), id(c)], [id(d)]]
+    assert computed_tokens([a, b, c]) == 3 + 4 + 4 + 2
+    # Three members sharing 10 tokens keep them rather than take in one that shares 2 (3 x 2 < 2 x 10).
+    members = [seq(list(range(1, 11)) + [20 + i, 30], 11) for i in range(3)]
+    newcomer = seq([1, 2, 99, 98, 97], 3)
+    assert [len(unit) for unit in prefix_units([*members, newcomer])] == [3, 1]
+
+
+def test_shared_micro_batches_hold_each_rollout_once_within_the_token_budget(tiny):
+    sequences = hand_built_group(tiny[0].config.vocab_size)
+    budget = 130
+    bins = micro_batches(sequences, rollouts=4, max_tokens=budget, share_prefix=True)
+    assert sorted(id(s) for b in bins for s in b) == sorted(id(s) for s in sequences)
+    for b in bins:
+        assert sum(computed_tokens(unit) for unit in prefix_units(b)) <= budget or len(b) == 1
+    assert len(bins) < len(micro_batches(sequences, rollouts=4, max_tokens=budget))
+
+
+def test_models_whose_attention_takes_no_shared_mask_are_scored_unshared():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=0,
+    )
+    assert not shares_prefix(Qwen3ForCausalLM(config))  # sliding-window layers: a custom mask would drop the window
+    llama = tiny_llama()
+    llama.config._attn_implementation = "flash_attention_2"  # takes no custom mask
+    assert not shares_prefix(llama)
+
+
+def test_a_shared_prefix_update_and_scores_equal_the_unshared_ones(tiny, rollouts):
+    model, tokenizer = tiny
+    head = ValueHead(model.config.hidden_size)
+    torch.manual_seed(0)
+    torch.nn.init.normal_(head.linear.weight, std=0.05)
+    scores = {
+        share: score_rollouts(
+            model,
+            rollouts,
+            temperature=1.0,
+            pad_token_id=tokenizer.pad_token_id,
+            chunk_tokens=64,
+            batch_rollouts=4,
+            value_head=head,
+            share_prefix=share,
+        )
+        for share in (False, True)
+    }
+    for shared, unshared in zip(scores[True], scores[False]):
+        assert max(abs(x - y) for a, b in zip(shared, unshared) for x, y in zip(a, b)) < 1e-5
+    base = PPOConfig(learning_rate=1e-4, minibatch_rollouts=4, micro_batch_rollouts=2, epochs=1, kl_coef=0.0)
+    weights = {}
+    for name, update in {
+        "unshared": {"share_prefix": False},
+        "shared, padded": {},
+        "shared, packed": {"max_tokens_per_micro_batch": 400},
+    }.items():
+        trained = copy.deepcopy(model)
+        optimise_policy(
+            trained,
+            rollouts,
+            config=base.model_copy(update=update),
+            temperature=1.0,
+            pad_token_id=tokenizer.pad_token_id,
+            seed=0,
+        )
+        weights[name] = torch.cat([p.detach().flatten() for p in trained.parameters()])
+    for name in ("shared, padded", "shared, packed"):
+        assert (weights[name] - weights["unshared"]).abs().max() < 1e-5, name

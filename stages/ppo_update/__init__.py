@@ -44,6 +44,7 @@ from stages.policy import (
     memory_settings,
     micro_batches,
     rollout_sequences,
+    shares_prefix,
     training_memory,
 )
 from stages.ppo_update.checkpoint import load_optimizer_state, optimizer_tensors, save_policy
@@ -218,16 +219,18 @@ def optimise_policy(
     # Old logprobs: the policy before this update, recomputed by the training forward pass;
     # generation logprobs differ once kernels or precision differ, which TIS corrects for.
     packed = config.max_tokens_per_micro_batch > 0
+    share_prefix = config.share_prefix and shares_prefix(scorer.model)
 
     def split(share: list[RolloutSequence]) -> list[list[RolloutSequence]]:
-        return micro_batches(share, config.micro_batch_rollouts, config.max_tokens_per_micro_batch)
+        return micro_batches(share, config.micro_batch_rollouts, config.max_tokens_per_micro_batch, share_prefix)
+
+    def collated(chunk: list[RolloutSequence]) -> dict[str, torch.Tensor]:
+        return collate(chunk, pad_token_id, device, packed, share_prefix)
 
     if config.recompute_old_logprobs is not False:  # null: the caller knows no better (RunConfig resolves it)
         for chunk, weight in passes(sequences, ranks, split):
             with torch.no_grad(), _autocast(device, config.autocast):
-                logprobs, _, _ = scorer(
-                    collate(chunk, pad_token_id, device, packed), temperature, config.logprob_chunk_tokens
-                )
+                logprobs, _, _ = scorer(collated(chunk), temperature, config.logprob_chunk_tokens)
             offset = 0
             for seq in chunk if weight else []:
                 seq.old_logprobs = logprobs[offset : offset + len(seq.target_positions)].tolist()
@@ -252,9 +255,15 @@ def optimise_policy(
     if config.gradient_checkpointing:
         scorer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     scorer.train()
+    # Mini-batches of whole groups (the rollouts of one prompt, in rollout order; groups shuffled),
+    # so that a group's members share their prompt's pass.
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, seq in enumerate(sequences):
+        groups.setdefault(tuple(seq.token_ids[: seq.target_positions[0]]), []).append(i)
     for epoch in range(config.epochs):
-        order = list(range(len(sequences)))
-        shuffle.shuffle(order)
+        shuffled = list(groups.values())
+        shuffle.shuffle(shuffled)
+        order = [i for group in shuffled for i in group]
         for start in range(0, len(order), config.minibatch_rollouts):
             minibatch = [sequences[i] for i in order[start : start + config.minibatch_rollouts]]
             minibatch_tokens = sum(len(s.target_positions) for s in minibatch)
@@ -262,7 +271,7 @@ def optimise_policy(
             optimizer.zero_grad(set_to_none=True)
             # weight 0: a pass this rank repeats so that it runs as many as the busiest rank
             for micro, weight in passes(minibatch, ranks, split):
-                batch = collate(micro, pad_token_id, device, packed)
+                batch = collated(micro)
                 with _autocast(device, config.autocast):
                     logprobs, entropy, values = scorer(
                         batch, temperature, config.logprob_chunk_tokens, value_head if train_value else None
