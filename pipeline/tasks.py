@@ -45,7 +45,7 @@ from schemas.features import PPO_UPDATE, SFT, dataset_from_rows, token_counts
 from schemas.token_stream import chat_template_hash
 from stages import assign_rewards, compute_advantages, execute_tools, generate_rollouts, ppo_update, sft
 from stages.generate_rollouts.engine import GenerationEngine, open_engine
-from stages.policy import load_tokenizer, parameter_count, training_memory
+from stages.policy import add_counts, counting_passes, load_tokenizer, parameter_count, training_memory
 from stages.registry import run_environments
 from stages.task_mix import load_plugins, turn_limit
 
@@ -322,21 +322,26 @@ def compute_advantages_task(
         reference == lineage.generating_policy(store, "assign-rewards", parents["assign-rewards"])
         and config.exact_generation_logprobs()
     )
-    scored = compute_advantages.score_with_policies(
-        turns,
-        critic_dir=store.policy_dir(parents[POLICY]) if POLICY in parents else None,
-        reference_dir=store.policy_dir(reference) if reference else None,
-        ppo=config.ppo,
-        temperature=config.generation.temperature,
-        device=config.model.device,
-        reference_generated=reference_generated,
-    )
+    with counting_passes() as passes:
+        scored = compute_advantages.score_with_policies(
+            turns,
+            critic_dir=store.policy_dir(parents[POLICY]) if POLICY in parents else None,
+            reference_dir=store.policy_dir(reference) if reference else None,
+            ppo=config.ppo,
+            temperature=config.generation.temperature,
+            device=config.model.device,
+            reference_generated=reference_generated,
+        )
     dataset = compute_advantages.compute_advantages(turns, config.advantage, **scored)
     reference_logprobs = None if reference is None else "generation" if reference_generated else "scored"
-    return dataset, {
-        "metrics": compute_advantages.advantage_metrics(dataset),
-        "reference_logprobs": reference_logprobs,
-    }
+    return (
+        dataset,
+        {
+            "metrics": compute_advantages.advantage_metrics(dataset),
+            "reference_logprobs": reference_logprobs,
+            "passes": passes,  # reference and value passes; absent: not needed (no KL term or critic, exact first-iteration logprobs)
+        },
+    )
 
 
 AHEAD_THREAD = "experience-ahead"  # the thread of pipeline.flows.in_background: the next batch, made beside ppo-update
@@ -379,7 +384,7 @@ def ppo_update_task(
         # the resident set is the process's: with ppo.max_staleness the next batch, made in a thread
         # beside this one, counts too (memory.scope says so; torchrun's ranks measure only themselves)
         beside = [thread.name for thread in threading.enumerate() if thread.name.startswith(AHEAD_THREAD)]
-        with peak_memory() as memory:
+        with peak_memory() as memory, counting_passes() as passes:
             memory["scope"] = "the process, with the next batch made beside it" if beside else "this stage"
             if config.ppo.world_size == 1:
                 trained = ppo_update.train_policy(
@@ -401,6 +406,8 @@ def ppo_update_task(
                 )
                 # the largest rank's peak, as one process reports its own; then each rank's
                 ranks = trained.memory_per_rank
+                for rank in ranks:  # each rank's passes over its share
+                    add_counts(passes, rank.pop("passes"))
                 memory = {name: max(rank[name] for rank in ranks) for name in ("rss_before_mb", "peak_rss_mb")}
                 memory.update(ranks=ranks, scope="the largest rank")
                 placement["nodes"] = trained.nodes
@@ -418,6 +425,10 @@ def ppo_update_task(
         },
         "optimizer_state_restored": trained.optimizer_state_restored,
         "old_logprobs": "recomputed" if recompute else "generation",
+        # every pass over the policy, by kind, with its tokens (all ranks'; the audit's re-score is in
+        # "audit"); a pass a setting does not need is absent (old logprobs when the generation ones are
+        # exact, the recomputed forward without activation checkpointing)
+        "passes": passes,
         "staleness": lineage.staleness(store, generating, trained=parents[POLICY]),
         "policy": next_policy,
         "policy_files": policy_files,

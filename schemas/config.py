@@ -442,6 +442,9 @@ class SFTConfig(Section):
         "padding (0 = all of them in one padded pass). null = as ppo.max_tokens_per_micro_batch: 1024 from "
         "50M parameters on the CPU, else 0.",
     )
+    share_prefix: bool = Field(
+        True, description="Compute the demonstrations' common prefix (system prompt, tools) once, as ppo.share_prefix."
+    )
 
     @model_validator(mode="after")
     def _a_valid_task_mix(self) -> SFTConfig:
@@ -524,9 +527,11 @@ class RunnerConfig(Section):
         ge=1,
         le=1024,
         description="CPU threads of each process mtrl runs (generation and training here, torchrun ranks share "
-        "it, tool workers, Ray workers, vLLM and Prefect servers); null = half the machine's cores, at least 1. "
-        "Where the work runs, not what it computes: not part of any version (float sums may round differently "
-        "with another count, as on another CPU).",
+        "it, tool workers, Ray workers, vLLM and Prefect servers); null = OMP_NUM_THREADS when mtrl was started "
+        "with it, else every core while stages run one at a time and half of them with ppo.max_staleness > 0 (two "
+        "stages compute at once). Set it (or OMP_NUM_THREADS) where other work shares the cores. Where the work "
+        "runs, not what it computes: not part of any version (float sums may round differently with another "
+        "count, as on another CPU).",
     )
 
 

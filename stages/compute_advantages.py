@@ -285,6 +285,7 @@ def score_with_policies(
     logprobs, and its forward pass is skipped."""
 
     def score(policy_dir: str | Path, with_value_head: bool) -> tuple[list[list[float]], list[list[float]]]:
+        """The values (with the value head) or the reference logprobs."""
         model = load_model(policy_dir, "float32", device)
         return score_rollouts(
             model,
@@ -295,6 +296,7 @@ def score_with_policies(
             batch_rollouts=ppo.micro_batch_rollouts,
             value_head=ValueHead.load(policy_dir, model.config.hidden_size) if with_value_head else None,
             share_prefix=ppo.share_prefix,
+            kind="values" if with_value_head else "reference",
         )
 
     values = score(critic_dir, with_value_head=True)[1] if critic_dir is not None else None

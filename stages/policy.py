@@ -3,7 +3,10 @@
   1. loading: the tokenizer (it must have a chat template), the model, its EOS tokens, the device,
      the value head;
   2. scoring: one sequence per rollout (its whole token stream), the logprobs, entropies and
-     critic values of its completion tokens (the vocabulary projection chunked), KL estimators.
+     critic values of its completion tokens (the vocabulary projection chunked), KL estimators;
+     a group's shared prompt computed once (collate's share_prefix);
+  3. counting: which passes ran over how many tokens (the compute-advantages and ppo-update
+     manifests' "passes").
 
 Saving a trained policy with its AdamW state is ppo-update's (stages/ppo_update/checkpoint.py).
 
@@ -17,7 +20,9 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -409,6 +414,7 @@ def collate(
         "positions": positions_t.to(device),
         "predictors": torch.tensor(predictors, dtype=torch.long, device=device),
         "targets": input_ids[rows_t, positions_t].to(device),
+        "tokens": torch.tensor(sum(len(row) for row in tokens)),  # computed, padding left out
     }
     if share_prefix:
         unit_t, branch_t = padded(unit_of, -1), padded(branch_of, 0)
@@ -502,10 +508,12 @@ def score_rollouts(
     batch_rollouts: int,
     value_head: ValueHead | None = None,
     share_prefix: bool = False,
+    kind: str = "scoring",
 ) -> tuple[list[list[float]], list[list[float]]]:
     """Per dataset row: logprobs of its completion tokens under `model` (and values, with a
     value head). Used for reference-model logprobs and critic values; `share_prefix` computes the
-    common prefix of a chunk's rollouts once where the model allows (shares_prefix)."""
+    common prefix of a chunk's rollouts once where the model allows (shares_prefix). Its passes
+    are counted as `kind`."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -517,6 +525,7 @@ def score_rollouts(
     for start in range(0, len(sequences), batch_rollouts):
         chunk = sequences[start : start + batch_rollouts]
         batch = collate(chunk, pad_token_id, device, share_prefix=share_prefix)
+        count_pass(kind, batch)
         logprobs, _, values = forward_targets(model, batch, temperature, chunk_tokens, value_head)
         offset = 0
         for seq in chunk:
@@ -542,3 +551,50 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     if estimator == "k3":  # low variance, always >= 0 (Schulman); clamped as in verl
         return (torch.exp(-log_ratio) - 1.0 + log_ratio).clamp(max=10.0)
     raise ValueError(f"unknown KL estimator '{estimator}'; valid: k1, k2, k3")
+
+
+# ---------------------------------------------------------------------------------------
+# 3. Counting passes
+# ---------------------------------------------------------------------------------------
+
+PassCounts = dict[str, dict[str, int]]
+_PASS_COUNTS: ContextVar[PassCounts | None] = ContextVar("mtrl_pass_counts", default=None)
+
+
+@contextmanager
+def counting_passes() -> Iterator[PassCounts]:
+    """Count the passes over the policy that run in this context (this thread), by kind:
+    {kind: {"passes", "tokens" (computed: a shared prefix once, no padding), "padded_tokens" (the
+    rows' whole width), "targets" (the predicted tokens)}}."""
+    counts: PassCounts = {}
+    token = _PASS_COUNTS.set(counts)
+    try:
+        yield counts
+    finally:
+        _PASS_COUNTS.reset(token)
+
+
+def count_pass(kind: str, batch: dict[str, torch.Tensor]) -> None:
+    """One pass of `kind` over a collated batch, where counting_passes counts."""
+    counts = _PASS_COUNTS.get()
+    if counts is not None:
+        add_counts(
+            counts,
+            {
+                kind: {
+                    "passes": 1,
+                    "tokens": int(batch["tokens"]),
+                    "padded_tokens": batch["input_ids"].numel(),
+                    "targets": len(batch["targets"]),
+                }
+            },
+        )
+
+
+def add_counts(into: PassCounts, counts: PassCounts) -> PassCounts:
+    """Add `counts` (another rank's, another stage's) into `into`; returns it."""
+    for kind, numbers in counts.items():
+        entry = into.setdefault(kind, dict.fromkeys(numbers, 0))
+        for name, value in numbers.items():
+            entry[name] += value
+    return into

@@ -35,6 +35,7 @@ from stages.policy import (
     load_model,
     load_tokenizer,
     micro_batches,
+    shares_prefix,
     training_memory,
 )
 from stages.registry import environment, registered_tools, tool_schemas
@@ -105,16 +106,22 @@ def demonstration_sequence(
 
 
 def accumulate_gradients(
-    model: torch.nn.Module, sequences: list[RolloutSequence], pad_token_id: int, max_tokens: int
+    model: torch.nn.Module,
+    sequences: list[RolloutSequence],
+    pad_token_id: int,
+    max_tokens: int,
+    share_prefix: bool = False,
 ) -> float:
     """Backward the step's loss, the mean negative log-likelihood of the sequences' assistant
-    tokens, in passes of at most `max_tokens` tokens, packed (0: one padded pass of them all);
+    tokens, in passes of at most `max_tokens` tokens, packed (0: one padded pass of them all),
+    their common prefix computed once with share_prefix (where the model allows: shares_prefix);
     the gradients add up to the one pass's. Returns the loss."""
     device = next(model.parameters()).device
     tokens = sum(len(sequence.target_positions) for sequence in sequences)
+    share_prefix = share_prefix and shares_prefix(model)
     loss = 0.0
-    for micro in micro_batches(sequences, len(sequences), max_tokens):
-        batch = collate(micro, pad_token_id, device, packed=max_tokens > 0)
+    for micro in micro_batches(sequences, len(sequences), max_tokens, share_prefix):
+        batch = collate(micro, pad_token_id, device, packed=max_tokens > 0, share_prefix=share_prefix)
         logprobs, _, _ = forward_targets(model, batch, 1.0, LOGPROB_CHUNK_TOKENS)
         share = -logprobs.sum() / tokens  # this pass's share of the mean over the step's tokens
         share.backward()
@@ -153,7 +160,9 @@ def train_on_demonstrations(
             for messages, tools in sample_demonstrations(tasks, rng, config.batch_size)
         ]
         optimizer.zero_grad(set_to_none=True)
-        loss = accumulate_gradients(model, sequences, tokenizer.pad_token_id, config.max_tokens_per_micro_batch or 0)
+        loss = accumulate_gradients(
+            model, sequences, tokenizer.pad_token_id, config.max_tokens_per_micro_batch or 0, config.share_prefix
+        )
         norm = torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm)
         optimizer.step()
         metrics.append(

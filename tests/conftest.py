@@ -8,15 +8,14 @@ from pathlib import Path
 
 import pytest
 
+# Two pytest workers share the machine's cores (`make test`): one thread each, and so for every
+# process a test starts (mtrl's default would give each run every core: runtime/threads.py).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 _PREFECT_HOME = Path(tempfile.mkdtemp(prefix="mtrl-test-prefect-"))
 os.environ.setdefault("PREFECT_HOME", str(_PREFECT_HOME))
 from pipeline import prefect_servers, prefect_settings  # noqa: E402
 
 prefect_settings.configure(_PREFECT_HOME)  # telemetry off, no progress bars, no ~/.prefect
-
-import torch  # noqa: E402
-
-torch.set_num_threads(2)
 
 # `make test` runs the tests on two processes (pytest-xdist), each test wherever a worker is free,
 # except the modules below, whose tests stay on one worker: they share a costly module fixture (a

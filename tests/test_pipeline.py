@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from pipeline.stage_table import POLICY, STAGES
 from pipeline.store import Store
-from schemas.token_stream import generation_prompt_ids, observation_token_ids, prompt_token_ids
+from schemas.token_stream import generation_prompt_ids, observation_token_ids, prompt_token_ids, rollouts
 from stages.environments import ENVIRONMENTS
 from stages.tools import TOOLS, tool_schema
 
@@ -275,6 +275,25 @@ def test_gae_with_kl_in_the_reward_and_lora_over_two_iterations(tmp_path):
     assert any(v != 0.0 for row in values for v in row)
     metrics = store.load("ppo-update", second["versions"]["ppo-update"])
     assert all(v is not None for v in metrics["value_loss"])
+    # Every pass is counted where it runs: iteration 0's reference logprobs are the generation ones
+    # (no pass), iteration 1 scores the reference; the group's shared prompt is computed once.
+    first_passes, second_passes = (
+        store.manifest("compute-advantages", result["versions"]["compute-advantages"]).extra("passes")
+        for result in (first, second)
+    )
+    data = store.load("compute-advantages", second["versions"]["compute-advantages"])
+    streams = sum(len(rollout.token_ids) for rollout in rollouts(data))
+    targets = sum(len(c) for c in data["completion_token_ids"])
+    assert set(first_passes) == {"values"} and set(second_passes) == {"values", "reference"}
+    for counts in second_passes.values():
+        assert (
+            counts["targets"] == targets and counts["tokens"] < streams and counts["tokens"] <= counts["padded_tokens"]
+        )
+    update = store.manifest("ppo-update", second["versions"]["ppo-update"])
+    # the hf engine in float32: no old-logprob pass; no activation checkpointing at this size
+    assert set(update.extra("passes")) == {"training_forward", "training_backward"}
+    assert update.extra("passes")["training_forward"]["targets"] == targets
+    assert update.extra("audit")["passes"]["audit_rescore"]["passes"] >= 1
     curve, png = write_report(store)
     assert png.is_file() and len(curve.splitlines()) == 3
 

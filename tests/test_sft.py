@@ -150,14 +150,18 @@ def test_a_steps_gradient_over_packed_passes_of_a_token_budget_is_the_one_pass_g
     ]
     longest = max(len(sequence.token_ids) for sequence in sequences)
     losses, gradients = [], []
-    for max_tokens in (0, longest + 10):  # one padded pass; packed passes of about two demonstrations
+    # one padded pass; packed passes of about two demonstrations; the same with their common
+    # prefix (the system prompt and tools) computed once, padded and packed
+    ways = [(0, False), (longest + 10, False), (0, True), (longest + 10, True)]
+    for max_tokens, share_prefix in ways:
         model = load_model(EMBEDDED_POLICY, "float32", "cpu")
-        losses.append(accumulate_gradients(model, sequences, tokenizer.pad_token_id, max_tokens))
+        losses.append(accumulate_gradients(model, sequences, tokenizer.pad_token_id, max_tokens, share_prefix))
         gradients.append({name: p.grad for name, p in model.named_parameters()})
     assert len(micro_batches(sequences, len(sequences), longest + 10)) > 1
-    assert losses[1] == pytest.approx(losses[0], abs=1e-5)
-    for name, one_pass in gradients[0].items():
-        torch.testing.assert_close(gradients[1][name], one_pass, rtol=1e-4, atol=1e-6, msg=name)
+    for loss, grads in zip(losses[1:], gradients[1:]):
+        assert loss == pytest.approx(losses[0], abs=1e-5)
+        for name, one_pass in gradients[0].items():
+            torch.testing.assert_close(grads[name], one_pass, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_the_warm_start_is_versioned_apart_from_the_rl_stages():

@@ -46,6 +46,30 @@ def test_the_thread_setting_reaches_this_process_its_tool_workers_and_its_prefec
     assert seen == {"torch": 1, "tool_worker": "1", "prefect_server": "1"}
 
 
-@pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (3, 1), (4, 2), (16, 8)])
-def test_the_default_leaves_half_the_cores_free(cores, threads):
-    assert default_threads(cores) == threads
+@pytest.mark.parametrize(("cores", "alone", "overlapping"), [(1, 1, 1), (2, 2, 1), (3, 3, 1), (4, 4, 2), (16, 16, 8)])
+def test_the_default_gives_one_stage_every_core_and_two_at_once_half_each(cores, alone, overlapping):
+    assert default_threads(overlapping=False, cores=cores) == alone
+    assert default_threads(overlapping=True, cores=cores) == overlapping
+
+
+@pytest.mark.parametrize(
+    ("started_with", "setting", "overlapping", "expected"),
+    [
+        (None, None, False, os.cpu_count()),
+        (None, None, True, max(1, os.cpu_count() // 2)),
+        ("3", None, False, 3),  # OMP_NUM_THREADS in mtrl's environment: the user's, it wins
+        ("3", None, True, 3),
+        ("3", 5, False, 5),  # runner.threads wins over both
+    ],
+)
+def test_a_user_setting_wins_over_the_default(started_with, setting, overlapping, expected):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("OMP_NUM_THREADS", None)
+    if started_with is not None:
+        env["OMP_NUM_THREADS"] = started_with
+    probe = (
+        "import os; from runtime.threads import use_threads; "
+        f"print(use_threads({setting}, overlapping={overlapping}), os.environ['OMP_NUM_THREADS'])"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60)
+    assert out.stdout.split() == [str(expected), str(expected)], out.stderr

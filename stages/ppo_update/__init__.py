@@ -38,6 +38,7 @@ from stages.policy import (
     Scorer,
     ValueHead,
     collate,
+    count_pass,
     kl_estimate,
     load_model,
     load_tokenizer,
@@ -229,8 +230,10 @@ def optimise_policy(
 
     if config.recompute_old_logprobs is not False:  # null: the caller knows no better (RunConfig resolves it)
         for chunk, weight in passes(sequences, ranks, split):
+            batch = collated(chunk)
+            count_pass("old_logprobs", batch)
             with torch.no_grad(), _autocast(device, config.autocast):
-                logprobs, _, _ = scorer(collated(chunk), temperature, config.logprob_chunk_tokens)
+                logprobs, _, _ = scorer(batch, temperature, config.logprob_chunk_tokens)
             offset = 0
             for seq in chunk if weight else []:
                 seq.old_logprobs = logprobs[offset : offset + len(seq.target_positions)].tolist()
@@ -272,6 +275,10 @@ def optimise_policy(
             # weight 0: a pass this rank repeats so that it runs as many as the busiest rank
             for micro, weight in passes(minibatch, ranks, split):
                 batch = collated(micro)
+                for kind in ("training_forward", "training_backward"):
+                    count_pass(kind, batch)
+                if config.gradient_checkpointing:  # the backward pass runs each layer's forward again
+                    count_pass("training_recomputed_forward", batch)
                 with _autocast(device, config.autocast):
                     logprobs, entropy, values = scorer(
                         batch, temperature, config.logprob_chunk_tokens, value_head if train_value else None

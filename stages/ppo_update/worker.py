@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from runtime.memory import peak_memory
 from schemas.config import RunConfig
+from stages.policy import counting_passes
 from stages.ppo_update import train_policy
 from stages.sharding import init_ranks
 
@@ -75,7 +76,7 @@ def main(request_path: str) -> None:
     print(f"rank {ranks.rank} of {ranks.world_size}: pid {os.getpid()}, torchrun pid {os.getppid()}", flush=True)
     turns = datasets.load_from_disk(request["turns"])
     started = time.perf_counter()
-    with peak_memory() as memory:
+    with peak_memory() as memory, counting_passes() as passes:
         trained = train_policy(
             turns,
             request["policy_dir"],
@@ -88,7 +89,7 @@ def main(request_path: str) -> None:
             ranks=ranks,
         )
     train_s = time.perf_counter() - started  # load, old logprobs, update, gather (not the start-up)
-    memory_per_rank = ranks.gather({**memory, "torch_threads": torch.get_num_threads()})
+    memory_per_rank = ranks.gather({**memory, "torch_threads": torch.get_num_threads(), "passes": passes})
     if trained is not None:  # rank 0
         trained.save(work / POLICY_FILES)
         result = {
