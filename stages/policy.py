@@ -321,17 +321,26 @@ def computed_tokens(unit: list[RolloutSequence]) -> int:
     return shared + sum(len(seq.token_ids) - shared for seq in unit)
 
 
+# The attention of a shared-prefix row runs over the whole row under a dense mask, masked pairs
+# included: one row of many long remainders would cost more than the prefix it saves. A unit stays
+# under this many tokens, or twice its batch's longest sequence (packed rows: the token budget).
+SHARED_ROW_TOKENS = 2048
+
+
 def prefix_units(sequences: list[RolloutSequence]) -> list[list[RolloutSequence]]:
     """The sequences in units that share a prefix (a group's prompt; with one system prompt and
     toolset, every rollout's first tokens). In token order, a sequence joins the unit before it
-    when that computes no more tokens than starting a unit of its own: with k members sharing L
-    tokens, a newcomer sharing L' <= L with them joins when k * L' >= (k - 1) * L."""
+    when that computes no more tokens than starting a unit of its own (with k members sharing L
+    tokens, a newcomer sharing L' <= L with them joins when k * L' >= (k - 1) * L) and the unit
+    stays under SHARED_ROW_TOKENS or twice the longest sequence."""
+    limit = max(SHARED_ROW_TOKENS, 2 * max((len(s.token_ids) for s in sequences), default=0))
     units: list[list[RolloutSequence]] = []
     shared = 0
     for seq in sorted(sequences, key=lambda s: s.token_ids):
         if units:
             joined = min(shared, common_prefix_length([units[-1][-1], seq]))
-            if joined > 0 and len(units[-1]) * joined >= (len(units[-1]) - 1) * shared:
+            saves = joined > 0 and len(units[-1]) * joined >= (len(units[-1]) - 1) * shared
+            if saves and computed_tokens([*units[-1], seq]) <= limit:
                 units[-1].append(seq)
                 shared = joined
                 continue
@@ -370,8 +379,9 @@ def collate(
     branch_of: list[list[int]] = []
     placed: dict[int, tuple[int, Callable[[int], int]]] = {}
     for u, unit in enumerate(units):
-        if not tokens or not packed:
-            tokens.append([]), position_ids.append([]), unit_of.append([]), branch_of.append([])
+        if not tokens or not packed:  # a new row
+            for per_row in (tokens, position_ids, unit_of, branch_of):
+                per_row.append([])
         shared = common_prefix_length(unit)
         start = len(tokens[-1])
         tokens[-1] += unit[0].token_ids[:shared]

@@ -535,6 +535,10 @@ def test_a_prefix_is_shared_while_it_saves_tokens_and_never_holds_a_predicted_to
     members = [seq(list(range(1, 11)) + [20 + i, 30], 11) for i in range(3)]
     newcomer = seq([1, 2, 99, 98, 97], 3)
     assert [len(unit) for unit in prefix_units([*members, newcomer])] == [3, 1]
+    # A row's attention is dense: long remainders sharing a short prompt go two to a row (under
+    # twice the longest sequence, 3000 tokens: 100 + 2 x 1400), not six in one 8500-token row.
+    long = [seq(list(range(100)) + [1000 + i] * 1400, 100) for i in range(6)]
+    assert [len(unit) for unit in prefix_units(long)] == [2, 2, 2]
 
 
 def test_shared_micro_batches_hold_each_rollout_once_within_the_token_budget(tiny):
