@@ -1,12 +1,13 @@
 """What thread count should each mtrl process use? runner.threads = 1 against 2 on this machine,
-on both models, quiet and with one core kept busy by another process (as mtrl's own Prefect
-server, tool workers or a second job keep it busy), in one invocation:
+quiet and with one core kept busy by another process (a second job on the machine), in one
+invocation:
 
     python bench/threads.py [--gguf FILE] [--out bench/results/threads_cpu.json]
 
-Each measurement is `mtrl eval` (generation and tools) of the starting model on fixed calculator
-tasks, timed as a whole command: the embedded tiny model (64 rollouts) and SmolLM2-135M-Instruct
-(8 rollouts, the Hermes template, thinking off; its GGUF as bench/real_model.py finds it).
+Each measurement is a whole command: `mtrl eval` (generation and tools) of the starting model on
+fixed calculator tasks, the embedded tiny model (64 rollouts) and SmolLM2-135M-Instruct (8
+rollouts, the Hermes template, thinking off; its GGUF as bench/real_model.py finds it); and the
+demo, `mtrl run` (10 iterations, every stage), in a fresh runs directory each time.
 Runs alternate between the settings so that drift in the machine hits both alike.
 """
 
@@ -34,8 +35,11 @@ def spin() -> None:
         pass
 
 
-def eval_seconds(model_flags: list[str], threads: int, runs_dir: Path) -> float:
-    _, wall = mtrl("eval", *model_flags, "--runs-dir", str(runs_dir), "--set", f"runner.threads={threads}")
+def seconds(command: list[str], threads: int, runs_dir: Path) -> float:
+    """Wall seconds of `mtrl COMMAND` with this thread count; `mtrl run` in a fresh runs dir (no cache hits)."""
+    if command[0] == "run":
+        runs_dir = Path(tempfile.mkdtemp(prefix="mtrl-threads-run-")) / "runs"
+    _, wall = mtrl(*command, "--runs-dir", str(runs_dir), "--set", f"runner.threads={threads}")
     return wall
 
 
@@ -45,15 +49,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "threads_cpu.json")
     args = parser.parse_args()
     models = {
-        "embedded-0.88M": ["--task", "calculator", "--rollouts", "64", "--group-size", "1"],
+        "embedded-0.88M": ["eval", "--task", "calculator", "--rollouts", "64", "--group-size", "1"],
         "smollm2-135m": [
-            *("--model", str(gguf_path(args.gguf)), "--task", "calculator", "--rollouts", "8", "--group-size", "1"),
+            *("eval", "--model", str(gguf_path(args.gguf)), "--task", "calculator"),
+            *("--rollouts", "8", "--group-size", "1"),
             *("--set", "model.chat_template=hermes", "--set", "generation.enable_thinking=false"),
         ],
+        "the demo (mtrl run)": ["run"],
     }
     runs_dir = Path(tempfile.mkdtemp(prefix="mtrl-threads-")) / "runs"
-    for flags in models.values():  # import (and convert) each model once, outside the timings
-        eval_seconds([*flags, "--rollouts", "1", "--group-size", "1"], 1, runs_dir)
+    for flags in list(models.values())[:2]:  # import (and convert) each model once, outside the timings
+        seconds([*flags, "--rollouts", "1", "--group-size", "1"], 1, runs_dir)
     results = []
     for load in ("quiet", "one core busy"):
         hog = multiprocessing.Process(target=spin, daemon=True) if load != "quiet" else None
@@ -61,13 +67,13 @@ def main() -> None:
             hog.start()
         try:
             for model, flags in models.items():
-                seconds: dict[int, list[float]] = {1: [], 2: []}
+                walls: dict[int, list[float]] = {1: [], 2: []}
                 for _ in range(REPEATS):
                     for threads in (1, 2):
-                        seconds[threads].append(eval_seconds(flags, threads, runs_dir))
+                        walls[threads].append(seconds(flags, threads, runs_dir))
                 row = {"model": model, "load": load}
-                row |= {f"threads_{t}_s": round(statistics.median(s), 1) for t, s in seconds.items()}
-                row["all_s"] = {t: [round(x, 1) for x in s] for t, s in seconds.items()}
+                row |= {f"threads_{t}_s": round(statistics.median(s), 1) for t, s in walls.items()}
+                row["all_s"] = {t: [round(x, 1) for x in s] for t, s in walls.items()}
                 print(json.dumps(row), flush=True)
                 results.append(row)
         finally:
