@@ -18,6 +18,7 @@ from stages.policy import (
     collate,
     common_prefix_length,
     computed_tokens,
+    counting_passes,
     eos_token_ids,
     forward_targets,
     kl_estimate,
@@ -276,14 +277,25 @@ def test_packing_and_activation_checkpointing_do_not_change_the_update(tiny, rol
         "packed": base.model_copy(update={"max_tokens_per_micro_batch": 1024}),
         "checkpointed": base.model_copy(update={"gradient_checkpointing": True}),
     }
-    results = {}
+    results, counted = {}, {}
     for name, config in variants.items():
         trained = copy.deepcopy(model)
-        metrics = optimise_policy(
-            trained, rollouts, config=config, temperature=1.0, pad_token_id=tokenizer.pad_token_id, seed=0
-        )
+        with counting_passes() as counted[name]:
+            metrics = optimise_policy(
+                trained, rollouts, config=config, temperature=1.0, pad_token_id=tokenizer.pad_token_id, seed=0
+            )
         results[name] = (metrics, torch.cat([p.detach().flatten() for p in trained.parameters()]))
         assert not trained.is_gradient_checkpointing
+    # Each pass is counted: 8 rollouts, 2 a pass padded (4 passes); the old-logprob pass runs because
+    # recompute_old_logprobs is null here (the caller knows no better); checkpointing runs every
+    # training forward again in the backward pass; packing computes no padding.
+    targets = sum(len(c) for c in rollouts["completion_token_ids"])
+    padded = counted["padded"]
+    assert set(padded) == {"old_logprobs", "training_forward", "training_backward"}
+    assert all(c["passes"] == 4 and c["targets"] == targets for c in padded.values())
+    assert counted["checkpointed"]["training_recomputed_forward"] == padded["training_forward"]
+    packed = counted["packed"]["training_forward"]
+    assert packed["tokens"] == packed["padded_tokens"] < padded["training_forward"]["padded_tokens"]
     for name in ("packed", "checkpointed"):
         metrics, weights = results[name]
         for ours, padded in zip(metrics, results["padded"][0]):
