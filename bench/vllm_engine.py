@@ -13,7 +13,11 @@ each turn appended to the rollout's stream, as multi-turn rollouts grow. Workloa
 - rollouts x 3 turns for each --widths (64 and 256): tokens/s;
 - a --long-turns episode (8 rollouts x 50 turns x 16 tokens): seconds of every turn and the last
   turn's time over the first's (does a turn slow down as the context grows?);
-- engine start: hf = loading the model; vllm = starting the server until it is healthy.
+- engine start: hf = loading the model; vllm = starting the server until it is healthy;
+- an iteration's generate-rollouts: `run_episodes` of bench/real_model.py's RL settings (32
+  calculator rollouts in groups of 8, up to 4 turns of at most 96 new tokens, EOS stops, the
+  Hermes tool template, thinking off) through the engine: its seconds and turns.
+--workloads picks some (default: all).
 Both also report max |logprob - HF fp32 recompute| on the first workload. With --learning,
 also `mtrl run --engine E --set audit.rescore_fraction=1.0` (the calculator demo, 10
 iterations of 64 rollouts; the audit then re-scores every stored logprob of every iteration
@@ -39,7 +43,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/real_model.py: where the GGUF file is
 
-from pipeline.models import EMBEDDED_POLICY, resolve_model_dir
+from pipeline.evaluate import run_episodes
+from pipeline.models import EMBEDDED_POLICY, SHIPPED_TEMPLATES, resolve_model_dir
 from runtime.vllm_server import vllm_version
 from schemas.config import RunConfig
 from schemas.token_stream import prompt_token_ids
@@ -86,6 +91,23 @@ def max_logprob_difference(model, requests, completions) -> float:
     return worst
 
 
+def generate_iteration(engine, model_dir: Path) -> dict:
+    """One iteration's rollouts of bench/real_model.py's settings through `engine` (EOS stops on)."""
+    config = RunConfig(
+        task={"name": "calculator", "rollouts": 32, "group_size": 8},
+        generation={"enable_thinking": False, "max_new_tokens": 96},
+    )
+    tokenizer = load_tokenizer(model_dir, SHIPPED_TEMPLATES["hermes"].read_text())
+    started = time.perf_counter()
+    turns = run_episodes(engine, tokenizer, config)
+    return {
+        "rollouts": 32,
+        "seconds": round(time.perf_counter() - started, 2),
+        "turns": len(turns),
+        "generated_tokens": sum(len(c) for c in turns["completion_token_ids"]),
+    }
+
+
 def measure(name: str, args, model_dir: Path, tokenizer, model, runs_dir: Path) -> dict:
     config = RunConfig(generation={"engine": name, "max_context_tokens": 4096}, store={"runs_dir": runs_dir})
     started = time.perf_counter()
@@ -97,7 +119,9 @@ def measure(name: str, args, model_dir: Path, tokenizer, model, runs_dir: Path) 
     observation = tokenizer.encode("\n<tool_response>\n42\n</tool_response>\n")[:16]
     result = {"engine_start_s": round(start_s, 2), "widths": []}
     try:
-        for width in args.widths:
+        if "iteration" in args.workloads:
+            result["iteration"] = generate_iteration(engine, model_dir)
+        for width in args.widths if "throughput" in args.workloads else []:
             run_turns(engine, prompts(tokenizer, 8), observation, 1, 8)  # warm-up, not timed
             tokens, seconds, (requests, completions) = run_turns(
                 engine, prompts(tokenizer, width), observation, args.turns, args.new_tokens
@@ -113,6 +137,8 @@ def measure(name: str, args, model_dir: Path, tokenizer, model, runs_dir: Path) 
                     "max_abs_logprob_vs_hf_fp32": max_logprob_difference(model, requests[:16], completions[:16]),
                 }
             )
+        if "long" not in args.workloads:
+            return result
         tokens, seconds, _ = run_turns(
             engine, prompts(tokenizer, args.long_rollouts), observation, args.long_turns, args.long_new_tokens
         )
@@ -160,6 +186,12 @@ def main() -> None:
     parser.add_argument("--long-turns", type=int, default=50)
     parser.add_argument("--long-new-tokens", type=int, default=16)
     parser.add_argument("--learning", action="store_true", help="also the demo run on each engine")
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["iteration", "throughput", "long"],
+        choices=["iteration", "throughput", "long"],
+    )
     parser.add_argument("--model", default=None, help="default: the embedded policy; smollm2: SmolLM2-135M's GGUF")
     parser.add_argument("--out", type=Path, default=Path("bench/results/vllm_engine_cpu.json"))
     args = parser.parse_args()
@@ -201,18 +233,19 @@ def main() -> None:
         "vllm_over_hf_tokens_per_second": {
             str(h["rollouts"]): round(v["tokens_per_second"] / h["tokens_per_second"], 2)
             for h, v in zip(hf["widths"], vllm["widths"])
-        }
-        | {
-            "long_episode": round(
-                vllm["long_episode"]["tokens_per_second"] / hf["long_episode"]["tokens_per_second"], 2
-            )
         },
     }
+    if "long" in args.workloads:
+        report["vllm_over_hf_tokens_per_second"]["long_episode"] = round(
+            vllm["long_episode"]["tokens_per_second"] / hf["long_episode"]["tokens_per_second"], 2
+        )
+    if "iteration" in args.workloads:
+        report["iteration_seconds"] = {name: results[name]["iteration"]["seconds"] for name in results}
     if learning:
         report["learning"] = learning
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps({k: report[k] for k in ("vllm_over_hf_tokens_per_second",)}, indent=1))
+    print(json.dumps({k: report.get(k) for k in ("vllm_over_hf_tokens_per_second", "iteration_seconds")}, indent=1))
     for name in ("hf", "vllm"):
         print(
             name,
@@ -220,8 +253,6 @@ def main() -> None:
             results[name]["engine_start_s"],
             "s;",
             [w["tokens_per_second"] for w in results[name]["widths"]],
-            "tok/s; 50-turn last/first",
-            results[name]["long_episode"]["last_over_first"],
         )
 
 

@@ -258,15 +258,13 @@ def optimise_policy(
     if config.gradient_checkpointing:
         scorer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     scorer.train()
-    # Mini-batches of whole groups (the rollouts of one prompt, in rollout order; groups shuffled),
-    # so that a group's members share their prompt's pass.
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, seq in enumerate(sequences):
-        groups.setdefault(tuple(seq.token_ids[: seq.target_positions[0]]), []).append(i)
+    # Mini-batches of shuffled rollouts, not whole groups: with sparse rewards most groups have no
+    # advantage, and a step on two such groups moves every weight by about the learning rate in a
+    # direction of noise (Adam's step size does not shrink with the gradient). Rollouts of other
+    # groups still share their system prompt and tools in a pass (prefix_units).
     for epoch in range(config.epochs):
-        shuffled = list(groups.values())
-        shuffle.shuffle(shuffled)
-        order = [i for group in shuffled for i in group]
+        order = list(range(len(sequences)))
+        shuffle.shuffle(order)
         for start in range(0, len(order), config.minibatch_rollouts):
             minibatch = [sequences[i] for i in order[start : start + config.minibatch_rollouts]]
             minibatch_tokens = sum(len(s.target_positions) for s in minibatch)
