@@ -2,7 +2,7 @@
 
     pip install 'mtrl[bench]'       # trl==1.16.0 (it changes no installed version of torch & co.)
     python bench/trl_peer.py [--out bench/results/trl_peer.json] [--order trl,mtrl]
-    python bench/trl_peer.py --model smollm2 [--iterations 4] [--out bench/results/trl_peer_smollm2.json]
+    python bench/trl_peer.py --model smollm2 [--iterations 4] [--out FILE]
 
 The work is mtrl's default run: the embedded policy (fp32, CPU), 10 iterations of 64 rollouts
 (8 calculator questions x 8 samples, the questions of mtrl's own task sampler for each
@@ -263,13 +263,20 @@ def main() -> None:
         trl_child(Path(sys.argv[2]), Path(sys.argv[3]), json.loads(Path(sys.argv[4]).read_text()))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=None, help="default: bench/results/trl_peer[_smollm2].json")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="default: trl_peer.json (smollm2: trl_peer_smollm2.json) in bench/results",
+    )
     parser.add_argument("--order", default="trl,mtrl", help="which runs first")
     parser.add_argument("--model", choices=["embedded", "smollm2"], default="embedded")
     parser.add_argument("--iterations", type=int, default=4, help="smollm2's RL iterations (embedded: mtrl's 10)")
     parser.add_argument("--trl-gradient-checkpointing", choices=["on", "off"], default=None, help="default: mtrl's")
     args = parser.parse_args()
-    out = args.out or REPO / f"bench/results/trl_peer{'_smollm2' if args.model == 'smollm2' else ''}.json"
+    out = args.out or REPO / "bench" / "results" / (
+        "trl_peer_smollm2.json" if args.model == "smollm2" else "trl_peer.json"
+    )
     workdir = Path(tempfile.mkdtemp(prefix="mtrl-peer-"))
     from pipeline.prefect_servers import database_template_dir
 
