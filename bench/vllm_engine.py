@@ -113,14 +113,14 @@ def measure(name: str, args, model_dir: Path, tokenizer, model, runs_dir: Path) 
     started = time.perf_counter()
     engine = open_engine(model_dir, tokenizer, config)
     start_s = time.perf_counter() - started
-    engine.eos_ids = []  # no EOS stops: every row makes exactly N tokens
-    if name == "hf":
-        engine.eos_token_ids = torch.tensor([], dtype=torch.long)
     observation = tokenizer.encode("\n<tool_response>\n42\n</tool_response>\n")[:16]
     result = {"engine_start_s": round(start_s, 2), "widths": []}
     try:
-        if "iteration" in args.workloads:
+        if "iteration" in args.workloads:  # with EOS stops, as a run
             result["iteration"] = generate_iteration(engine, model_dir)
+        engine.eos_ids = []  # no EOS stops from here: every row makes exactly N tokens
+        if name == "hf":
+            engine.eos_token_ids = torch.tensor([], dtype=torch.long)
         for width in args.widths if "throughput" in args.workloads else []:
             run_turns(engine, prompts(tokenizer, 8), observation, 1, 8)  # warm-up, not timed
             tokens, seconds, (requests, completions) = run_turns(
