@@ -96,7 +96,7 @@ def build_config(args: argparse.Namespace, base: RunConfig | None = None) -> Run
         raise UsageError(str(exc)) from None
     # Every command that does work builds its config here, before it starts any process (the
     # Prefect server included): they all inherit the thread count.
-    use_threads(config.runner.threads, overlapping=config.ppo.max_staleness > 0)
+    use_threads(config.runner.threads, overlapping=config.stages_overlap())
     return config
 
 

@@ -68,7 +68,7 @@ class Experience:
 def flow_start(config: RunConfig) -> Store:
     """What every flow does first (a deployment's run starts here, not in `mtrl`): this process's
     thread count, the pre-flight checks (they import the task plugins too), the store."""
-    use_threads(config.runner.threads, overlapping=config.ppo.max_staleness > 0)
+    use_threads(config.runner.threads, overlapping=config.stages_overlap())
     check_config(config)
     return Store(config.store.runs_dir)
 

@@ -334,14 +334,13 @@ def compute_advantages_task(
         )
     dataset = compute_advantages.compute_advantages(turns, config.advantage, **scored)
     reference_logprobs = None if reference is None else "generation" if reference_generated else "scored"
-    return (
-        dataset,
-        {
-            "metrics": compute_advantages.advantage_metrics(dataset),
-            "reference_logprobs": reference_logprobs,
-            "passes": passes,  # reference and value passes; absent: not needed (no KL term or critic, exact first-iteration logprobs)
-        },
-    )
+    # passes: the reference and value passes; one is absent where no setting needs it (no KL term,
+    # no critic, the first iteration's exact generation logprobs)
+    return dataset, {
+        "metrics": compute_advantages.advantage_metrics(dataset),
+        "reference_logprobs": reference_logprobs,
+        "passes": passes,
+    }
 
 
 AHEAD_THREAD = "experience-ahead"  # the thread of pipeline.flows.in_background: the next batch, made beside ppo-update

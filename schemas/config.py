@@ -599,6 +599,11 @@ class RunConfig(Section):
             return self.ppo.recompute_old_logprobs
         return not self.exact_generation_logprobs()
 
+    def stages_overlap(self) -> bool:
+        """Do two stages compute at once? With ppo.max_staleness > 0 the next iteration's batch
+        generates while ppo-update trains (the thread default halves the cores then)."""
+        return self.ppo.max_staleness > 0
+
     def exact_generation_logprobs(self) -> bool:
         """Are the stored generation logprobs the generating policy's own, as a training forward
         pass computes them? Yes for the hf engine in float32 (within 1e-5: tests/test_ppo.py)."""

@@ -335,17 +335,17 @@ def prefix_units(sequences: list[RolloutSequence]) -> list[list[RolloutSequence]
     stays under SHARED_ROW_TOKENS or twice the longest sequence."""
     limit = max(SHARED_ROW_TOKENS, 2 * max((len(s.token_ids) for s in sequences), default=0))
     units: list[list[RolloutSequence]] = []
-    shared = 0
+    shared = length = 0  # the last unit's common prefix and its members' tokens
     for seq in sorted(sequences, key=lambda s: s.token_ids):
-        if units:
+        if units:  # in token order the unit's common prefix with seq is its last member's, at most
             joined = min(shared, common_prefix_length([units[-1][-1], seq]))
             saves = joined > 0 and len(units[-1]) * joined >= (len(units[-1]) - 1) * shared
-            if saves and computed_tokens([*units[-1], seq]) <= limit:
+            if saves and length + len(seq.token_ids) - len(units[-1]) * joined <= limit:  # computed_tokens
                 units[-1].append(seq)
-                shared = joined
+                shared, length = joined, length + len(seq.token_ids)
                 continue
         units.append([seq])
-        shared = len(seq.token_ids)
+        shared = length = len(seq.token_ids)
     return units
 
 
