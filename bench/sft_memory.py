@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from learning import machine, mtrl  # noqa: E402
-from real_model import GGUF_NAME, model_flags, training_flags  # noqa: E402
+from real_model import GGUF_NAME, model_flags, settings, training_flags  # noqa: E402
 
 from pipeline.store import Store  # noqa: E402
 
@@ -39,15 +39,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "sft_memory_cpu.json")
     args = parser.parse_args()
     # the flags bench/real_model.py gives `mtrl sft` (its RL settings are not read by sft)
-    settings = argparse.Namespace(
-        gguf=args.gguf, max_new_tokens=96, sft_steps=args.steps, sft_learning_rate=args.sft_learning_rate,
-        rollouts=32, learning_rate=2e-5, seed=0, kl_coef=None,
-    )  # fmt: skip
+    chosen = settings(gguf=args.gguf, sft_steps=args.steps, sft_learning_rate=args.sft_learning_rate)
     workdir = Path(tempfile.mkdtemp(prefix="mtrl-sft-memory-"))
     runs = {}
     for name, flags in BUDGETS.items():
         runs_dir = workdir / name.split(" ")[0]
-        _, wall = mtrl("sft", *model_flags(settings, runs_dir), *training_flags(settings), *flags)
+        _, wall = mtrl("sft", *model_flags(chosen, runs_dir), *training_flags(chosen), *flags)
         (trained,) = Store(runs_dir).versions("sft")
         runs[name] = {
             "command_wall_s": round(wall, 1),

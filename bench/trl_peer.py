@@ -222,40 +222,35 @@ def smollm2_work(iterations: int, workdir: Path) -> tuple[Path, dict[str, Any]]:
     """SmolLM2's warm start (`mtrl sft` as bench/real_model.py runs it; not timed) and the RL
     settings both sides train with from it: (the warm-start policy's folder, config overrides)."""
     from learning import mtrl
-    from real_model import model_flags, training_flags
+    from real_model import model_flags, settings, training_flags
 
     from pipeline.store import Store
 
-    settings = argparse.Namespace(
-        gguf=None, max_new_tokens=96, sft_steps=10, sft_learning_rate=5e-5, rollouts=32, learning_rate=2e-5,
-        seed=0, kl_coef=None,
-    )  # fmt: skip
+    chosen = settings()
     runs_dir = workdir / "warm-start"
-    mtrl("sft", *model_flags(settings, runs_dir), *training_flags(settings))
+    mtrl("sft", *model_flags(chosen, runs_dir), *training_flags(chosen))
     (warm,) = Store(runs_dir).versions("sft")
     overrides = {
         "iterations": iterations,
         "task.name": "calculator",
-        "task.rollouts": settings.rollouts,
+        "task.rollouts": chosen.rollouts,
         "task.group_size": 8,
         "model.chat_template": "hermes",
         "generation.enable_thinking": False,
-        "generation.max_new_tokens": settings.max_new_tokens,
-        "ppo.learning_rate": settings.learning_rate,
+        "generation.max_new_tokens": chosen.max_new_tokens,
+        "ppo.learning_rate": chosen.learning_rate,
     }
     return Store(runs_dir).policy_dir(warm.policy), overrides
 
 
 def held_out_success(model: Path, runs_dir: Path, policy: str | None = None) -> float:
     """`mtrl eval` of a model (or a stored policy of runs_dir) on 64 fixed calculator tasks."""
-    from learning import mtrl
+    from real_model import evaluate
 
     flags = ["--model", str(model), "--runs-dir", str(runs_dir), "--task", "calculator"]
-    flags += ["--rollouts", "64", "--group-size", "1", *(["--policy", policy] if policy else [])]
     flags += ["--set=model.chat_template=hermes", "--set=generation.enable_thinking=false"]
     flags += ["--set=generation.max_new_tokens=96"]
-    out, _ = mtrl("eval", *flags)
-    return json.loads(out[out.index("{") :])["success_rate"]
+    return evaluate(flags, policy, rollouts=64)["success_rate"]
 
 
 def main() -> None:
