@@ -5,6 +5,8 @@ the ppo-update stage at several B x S shapes.
     python bench/engine.py --model tiny --device cpu --out bench/results/engine_cpu.json
     python bench/engine.py --model qwen3-0.6b --device cuda --new-tokens 256 \\
         --ppo-shapes 4x2048,1x8192 --out engine_gpu.json   # random weights, no download
+    python bench/engine.py --model smollm2-135m --device cuda --ppo-only --shared-check \\
+        --ppo-prompt-tokens 256 --ppo-shapes 32x320g8,32x1024rg8 --ppo-variants default,default+unshared
 
 Sections of the JSON:
 - generation: R rollouts x T turns x N new tokens (EOS disabled so every row makes N tokens),
@@ -15,13 +17,21 @@ Sections of the JSON:
   and the last turn's time over the first's (does a turn get slower as the context grows?).
 - wide: --wide-rollouts rollouts x one turn through the engine: tokens/s.
 - ppo_update: the real stage function (stages.ppo_update.optimise_policy: old-logprob recompute,
-  then forward + backward + AdamW) on B rollouts of S tokens (one turn: a 64-token prompt, the
-  rest completion; "BxSr" spreads the lengths from S/8 to S), padded (one pass of B rows) or
-  packed (ppo.max_tokens_per_micro_batch = S: first-fit bins of at most S tokens, one pass
-  each), with and without activation checkpointing. Each shape runs in a fresh interpreter
+  then forward + backward + AdamW) on B rollouts of S tokens (one turn: a --ppo-prompt-tokens
+  prompt, the rest completion; "BxSr" spreads the lengths from S/8 to S; "BxSgG" gives groups of G
+  rollouts one prompt, as a group's samples have), padded (one pass of B rows), packed
+  (ppo.max_tokens_per_micro_batch = S: first-fit bins of at most S tokens, one pass each) or
+  default (the null memory fields, as mtrl picks them for this model size on this device), each
+  with "+checkpointed" (activation checkpointing) and "+unshared" (ppo.share_prefix off); the
+  passes each ran (ppo-update's manifest counts). Each shape runs in a fresh interpreter
   so its peak memory is its own: CUDA max allocated, or on CPU the process's peak RSS (also
   above the RSS after loading the model). FLOPs = 8 x params x tokens (6 for the trained pass, 2 for the
-  recompute) + causal attention; MFU against --peak-tflops on CUDA only.
+  recompute) + causal attention, over every rollout's whole stream (a shared prompt counts once
+  per rollout: the work a user asks for); MFU against --peak-tflops on CUDA only.
+- shared_prefix_check (--shared-check): on the device, in float32, shared-prefix passes against
+  unshared ones on 4 groups of 8 rollouts of one prompt (ragged, one with a second turn), padded
+  and packed: the largest difference in a logprob, an entropy and a gradient (relative to the
+  parameter's largest).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import argparse
 import json
 import multiprocessing
 import platform
+import re
 import resource
 import subprocess
 import sys
@@ -45,6 +56,14 @@ from schemas.config import PPOConfig
 from schemas.features import COMPUTE_ADVANTAGES, dataset_from_rows
 from stages.generate_rollouts.engine import Request, Sampling
 from stages.generate_rollouts.hf import HFEngine
+from stages.policy import (
+    LARGE_MODEL_PARAMETERS,
+    RolloutSequence,
+    collate,
+    counting_passes,
+    forward_targets,
+    memory_settings,
+)
 from stages.ppo_update import optimise_policy
 
 
@@ -150,22 +169,36 @@ def random_tokens(count: int, length: int, vocab: int, seed: int) -> list[list[i
 # ---------------------------------------------------------------------------------------
 
 
-def synthetic_turns(batch: int, seq: int, vocab: int, ragged: bool):
-    """B one-turn rollouts: a 64-token prompt and sampled tokens, S tokens in all, or with
-    `ragged` lengths spread evenly from S/8 to S (what padding wastes and packing saves)."""
+SHAPE = re.compile(r"(\d+)x(\d+)(r?)(?:g(\d+))?")
+
+
+def parse_shape(shape: str) -> tuple[int, int, bool, int]:
+    """ "BxS[r][gG]": B rollouts of S tokens, r for ragged lengths, gG for groups of G sharing a prompt."""
+    match = SHAPE.fullmatch(shape)
+    if match is None:
+        raise SystemExit(f"--ppo-shapes: {shape!r} is not BxS[r][gG]")
+    batch, seq, ragged, group = match.groups()
+    return int(batch), int(seq), ragged == "r", int(group or 1)
+
+
+def synthetic_turns(batch: int, seq: int, vocab: int, ragged: bool, group_size: int = 1, prompt_tokens: int = 64):
+    """B one-turn rollouts: a prompt of prompt_tokens and sampled tokens, S tokens in all, or with
+    `ragged` lengths spread evenly from S/8 to S (what padding wastes and packing saves); the
+    rollouts of a group (group_size of them) share their prompt, as a group of G samples does."""
     lengths = [seq - (seq - seq // 8) * i // max(batch - 1, 1) if ragged else seq for i in range(batch)]
-    prompt = random_tokens(batch, 64, vocab, 1)
-    completion = [random_tokens(1, n - 64, vocab, 2 + i)[0] for i, n in enumerate(lengths)]
+    lengths = [max(n, prompt_tokens + 1) for n in lengths]
+    prompts = random_tokens(-(-batch // group_size), prompt_tokens, vocab, 1)
+    completion = [random_tokens(1, n - prompt_tokens, vocab, 2 + i)[0] for i, n in enumerate(lengths)]
     rows = []
     for i in range(batch):
-        n = lengths[i] - 64
+        n = len(completion[i])
         rows.append(
             {
                 "rollout_id": i,
-                "group_id": i,
+                "group_id": i // group_size,
                 "turn": 0,
                 "failed": False,
-                "context_token_ids": prompt[i],
+                "context_token_ids": prompts[i // group_size],
                 "completion_token_ids": completion[i],
                 "completion_logprobs": [-7.0] * n,
                 "observation_token_ids": [],
@@ -178,33 +211,42 @@ def synthetic_turns(batch: int, seq: int, vocab: int, ragged: bool):
     return dataset_from_rows(rows, COMPUTE_ADVANTAGES)
 
 
-def ppo_measure(model_name: str, device_name: str, shape: str, variant: str, peak_tflops: float) -> dict:
+def ppo_measure(
+    model_name: str, device_name: str, shape: str, variant: str, peak_tflops: float, prompt_tokens: int
+) -> dict:
+    """One update's speed and memory. `variant` joins with "+": padded | packed (bins of S tokens) |
+    default (the memory settings mtrl picks for this model size on this device, null fields),
+    then checkpointed (activation checkpointing) and unshared (ppo.share_prefix off)."""
     device = torch.device(device_name)
     model = build_model(model_name, device)
-    batch, seq = (int(x) for x in shape.rstrip("r").split("x"))
-    turns = synthetic_turns(batch, seq, model.config.vocab_size, ragged=shape.endswith("r"))
+    batch, seq, ragged, group_size = parse_shape(shape)
+    turns = synthetic_turns(batch, seq, model.config.vocab_size, ragged, group_size, prompt_tokens)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     else:
         rss_before = current_rss_bytes() / 1e9
+    parts = variant.split("+")
     config = PPOConfig(
         learning_rate=1e-6,
         minibatch_rollouts=batch,
         micro_batch_rollouts=batch,
-        max_tokens_per_micro_batch=seq if "packed" in variant else 0,  # bins of the longest rollout's size
-        gradient_checkpointing="checkpointed" in variant,
+        max_tokens_per_micro_batch=None if "default" in parts else seq if "packed" in parts else 0,
+        gradient_checkpointing=None if "default" in parts else "checkpointed" in parts,
+        share_prefix="unshared" not in parts,
         logprob_chunk_tokens=4096,
         kl_coef=0.0,  # the synthetic rollouts have no reference logprobs: the update's own cost
     )
+    params = sum(p.numel() for p in model.parameters())
+    config = memory_settings(config, large=params >= LARGE_MODEL_PARAMETERS, on_gpu=device.type == "cuda")
     times = []
     for repeat in range(3):  # the first run warms up
         synchronize(device)
         started = time.perf_counter()
-        optimise_policy(model, turns, config=config, temperature=1.0, pad_token_id=0, seed=repeat)
+        with counting_passes() as passes:
+            optimise_policy(model, turns, config=config, temperature=1.0, pad_token_id=0, seed=repeat)
         synchronize(device)
         times.append(time.perf_counter() - started)
     seconds = sum(times[1:]) / len(times[1:])
-    params = sum(p.numel() for p in model.parameters())
     layers, width = model.config.num_hidden_layers, model.config.num_attention_heads * model.config.head_dim
     lengths = [len(c) + len(p) for c, p in zip(turns["completion_token_ids"], turns["context_token_ids"])]
     tokens = sum(lengths)
@@ -215,6 +257,12 @@ def ppo_measure(model_name: str, device_name: str, shape: str, variant: str, pea
         "shape": shape,
         "tokens": tokens,
         "variant": variant,
+        "settings": {
+            "max_tokens_per_micro_batch": config.max_tokens_per_micro_batch,
+            "gradient_checkpointing": config.gradient_checkpointing,
+            "share_prefix": config.share_prefix,
+        },
+        "passes": passes,
         "seconds_per_update": round(seconds, 4),
         "tokens_per_second": round(tokens / seconds, 1),
         "achieved_tflops": round(flops / seconds / 1e12, 4),
@@ -229,12 +277,100 @@ def ppo_measure(model_name: str, device_name: str, shape: str, variant: str, pea
     return result
 
 
-def ppo_in_fresh_process(args: argparse.Namespace, shape: str, variant: str) -> dict:
-    """Run one shape in a new interpreter (results come back as JSON on stdout)."""
+def shared_prefix_check(model_name: str, device_name: str, prompt_tokens: int) -> dict:
+    """Shared-prefix passes against unshared ones on this device, in float32: groups of 8 rollouts
+    of one prompt (ragged completions, one with a second turn), padded and packed. Reported: the
+    largest difference in a logprob and an entropy, and per parameter the largest gradient
+    difference over that parameter's largest gradient (the worst parameter)."""
+    device = torch.device(device_name)
+    model = build_model(model_name, device).float()
+    vocab = model.config.vocab_size
+    sequences = []
+    for group in range(4):
+        prompt = random_tokens(1, prompt_tokens, vocab, 100 + group)[0]
+        for member in range(8):
+            completion = random_tokens(1, 16 + 24 * member, vocab, 1000 * group + member)[0]
+            sequence = RolloutSequence(
+                token_ids=prompt + completion,
+                target_positions=list(range(prompt_tokens, prompt_tokens + len(completion))),
+            )
+            if member == 3:  # a second turn: an observation, then a completion
+                second = random_tokens(1, 20, vocab, 7)[0]
+                sequence.token_ids += random_tokens(1, 12, vocab, 8)[0] + second
+                sequence.target_positions += range(len(sequence.token_ids) - len(second), len(sequence.token_ids))
+            sequence.advantages = torch.linspace(-1.0, 1.0, len(sequence.target_positions)).tolist()
+            sequences.append(sequence)
+
+    def run(packed: bool, share_prefix: bool):
+        model.zero_grad()
+        batch = collate(sequences, 0, device, packed=packed, share_prefix=share_prefix)
+        logprobs, entropy, _ = forward_targets(model, batch, 1.0, 4096)
+        ((logprobs + 0.1 * entropy) * batch["advantages"]).sum().backward()
+        return logprobs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()], int(batch["tokens"])
+
+    logprobs, entropy, grads, tokens = run(packed=False, share_prefix=False)
+    result = {"rollouts": len(sequences), "prompt_tokens": prompt_tokens, "unshared_tokens": tokens}
+    for packed in (False, True):
+        shared_logprobs, shared_entropy, shared_grads, shared_tokens = run(packed, share_prefix=True)
+        result["packed" if packed else "padded"] = {
+            "computed_tokens": shared_tokens,
+            "max_logprob_difference": float((shared_logprobs - logprobs).abs().max()),
+            "max_entropy_difference": float((shared_entropy - entropy).abs().max()),
+            "max_relative_gradient_difference": max(
+                float((ours - theirs).abs().max() / theirs.abs().max().clamp_min(1e-30))
+                for ours, theirs in zip(shared_grads, grads)
+            ),
+        }
+    return result
+
+
+def in_fresh_process(args: argparse.Namespace, *flags: str) -> dict:
+    """Run one measurement in a new interpreter (its peak memory its own; JSON back on stdout)."""
     command = [sys.executable, __file__, "--model", args.model, "--device", args.device]
-    command += ["--peak-tflops", str(args.peak_tflops), "--ppo-one", f"{shape}:{variant}"]
+    command += ["--peak-tflops", str(args.peak_tflops), "--ppo-prompt-tokens", str(args.ppo_prompt_tokens), *flags]
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def generation_sections(args: argparse.Namespace, device: torch.device) -> dict:
+    """The notebook pattern against the engine, the 50-turn episode and the wide batch."""
+    model = build_model(args.model, device)
+    vocab = model.config.vocab_size
+    prompts = random_tokens(args.rollouts, args.prompt_tokens, vocab, 0)
+    observation = random_tokens(1, args.observation_tokens, vocab, 3)[0]
+
+    work = (prompts, observation, args.turns, args.new_tokens, device)
+    notebook_tokens, notebook_seconds = notebook_pattern(model, *work)
+    engine_tokens, engine_seconds = engine_turns(model, *work)
+    notebook_rate, engine_rate = notebook_tokens / notebook_seconds, engine_tokens / sum(engine_seconds)
+
+    long_prompts = prompts[: args.long_rollouts]
+    _, turn_seconds = engine_turns(model, long_prompts, observation, args.long_turns, args.long_new_tokens, device)
+    wide_prompts = random_tokens(args.wide_rollouts, args.prompt_tokens, vocab, 4)
+    wide_tokens, wide_seconds = engine_turns(model, wide_prompts, observation, 1, args.wide_new_tokens, device)
+    return {
+        "generation": {
+            "rollouts": args.rollouts,
+            "turns": args.turns,
+            "new_tokens": args.new_tokens,
+            "prompt_tokens": args.prompt_tokens,
+            "notebook_tokens_per_second": round(notebook_rate, 1),
+            "engine_tokens_per_second": round(engine_rate, 1),
+            "ratio": round(engine_rate / notebook_rate, 2),
+        },
+        "long_episode": {
+            "rollouts": args.long_rollouts,
+            "turns": args.long_turns,
+            "new_tokens_per_turn": args.long_new_tokens,
+            "turn_seconds": [round(s, 4) for s in turn_seconds],
+            "last_over_first": round(turn_seconds[-1] / turn_seconds[0], 2),
+        },
+        "wide": {
+            "rollouts": args.wide_rollouts,
+            "new_tokens": args.wide_new_tokens,
+            "tokens_per_second": round(wide_tokens / wide_seconds[0], 1),
+        },
+    }
 
 
 # ---------------------------------------------------------------------------------------
@@ -259,64 +395,49 @@ def main() -> None:
         default="4x512,1x2048,8x1024r",
         help="BxS list, a trailing r for ragged lengths (S/8 to S); the tiny model has 4096 positions",
     )
-    parser.add_argument("--ppo-variants", default="padded,packed,padded+checkpointed")
+    parser.add_argument(
+        "--ppo-variants",
+        default="padded,packed,padded+checkpointed",
+        help="padded | packed | default (mtrl's memory settings for the model and device), each + checkpointed, + unshared",
+    )
+    parser.add_argument("--ppo-prompt-tokens", type=int, default=64, help="prompt tokens of each synthetic rollout")
+    parser.add_argument("--ppo-only", action="store_true", help="skip the generation sections")
+    parser.add_argument("--shared-check", action="store_true", help="shared-prefix passes against unshared (fp32)")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="measured bf16 peak of the GPU")
     parser.add_argument("--ppo-one", help=argparse.SUPPRESS)  # BxS:variant, in a fresh process
+    parser.add_argument("--shared-check-one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.ppo_one:
         shape, variant = args.ppo_one.split(":")
-        print(json.dumps(ppo_measure(args.model, args.device, shape, variant, args.peak_tflops)))
+        print(
+            json.dumps(ppo_measure(args.model, args.device, shape, variant, args.peak_tflops, args.ppo_prompt_tokens))
+        )
+        return
+    if args.shared_check_one:
+        print(json.dumps(shared_prefix_check(args.model, args.device, args.ppo_prompt_tokens)))
         return
     device = torch.device(args.device)
-    model = build_model(args.model, device)
-    vocab = model.config.vocab_size
-    prompts = random_tokens(args.rollouts, args.prompt_tokens, vocab, 0)
-    observation = random_tokens(1, args.observation_tokens, vocab, 3)[0]
-
-    work = (prompts, observation, args.turns, args.new_tokens, device)
-    notebook_tokens, notebook_seconds = notebook_pattern(model, *work)
-    engine_tokens, engine_seconds = engine_turns(model, *work)
-    notebook_rate, engine_rate = notebook_tokens / notebook_seconds, engine_tokens / sum(engine_seconds)
-
-    long_prompts = prompts[: args.long_rollouts]
-    _, turn_seconds = engine_turns(model, long_prompts, observation, args.long_turns, args.long_new_tokens, device)
-    wide_prompts = random_tokens(args.wide_rollouts, args.prompt_tokens, vocab, 4)
-    wide_tokens, wide_seconds = engine_turns(model, wide_prompts, observation, 1, args.wide_new_tokens, device)
-    del model
-
-    ppo = []
-    for shape in args.ppo_shapes.lower().split(","):
-        for variant in args.ppo_variants.split(","):
-            ppo.append(ppo_in_fresh_process(args, shape, variant))
-            print(json.dumps(ppo[-1]))
-
-    report = {
+    report: dict = {
         "benchmark": "engine",
         "command": "python bench/engine.py "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "ppo_one")),
-        "generation": {
-            "rollouts": args.rollouts,
-            "turns": args.turns,
-            "new_tokens": args.new_tokens,
-            "prompt_tokens": args.prompt_tokens,
-            "notebook_tokens_per_second": round(notebook_rate, 1),
-            "engine_tokens_per_second": round(engine_rate, 1),
-            "ratio": round(engine_rate / notebook_rate, 2),
-        },
-        "long_episode": {
-            "rollouts": args.long_rollouts,
-            "turns": args.long_turns,
-            "new_tokens_per_turn": args.long_new_tokens,
-            "turn_seconds": [round(s, 4) for s in turn_seconds],
-            "last_over_first": round(turn_seconds[-1] / turn_seconds[0], 2),
-        },
-        "wide": {
-            "rollouts": args.wide_rollouts,
-            "new_tokens": args.wide_new_tokens,
-            "tokens_per_second": round(wide_tokens / wide_seconds[0], 1),
-        },
-        "ppo_update": ppo,
+        + " ".join(
+            f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+            for k, v in vars(args).items()
+            if k not in ("out", "ppo_one", "shared_check_one") and v is not False
+        ),
+    }
+    if not args.ppo_only:
+        report |= generation_sections(args, device)
+    if args.shared_check:
+        report["shared_prefix_check"] = in_fresh_process(args, "--shared-check-one")
+        print(json.dumps(report["shared_prefix_check"]))
+    report["ppo_update"] = []
+    for shape in args.ppo_shapes.lower().split(","):
+        for variant in args.ppo_variants.split(","):
+            report["ppo_update"].append(in_fresh_process(args, "--ppo-one", f"{shape}:{variant}"))
+            print(json.dumps(report["ppo_update"][-1]))
+    report |= {
         "machine": {
             "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
             "cpu_count": multiprocessing.cpu_count(),

@@ -104,6 +104,7 @@ PPO_UPDATE = Features(  # one row per optimiser step; null where a term is off
         "epoch": Value("int32"),
         "step": Value("int32"),
         "rollouts": Value("int32"),
+        "rollouts_computed": Value("int32"),  # the others had advantage 0 and no term that reads them
         "tokens": Value("int32"),
         "learning_rate": Value("float32"),
         "loss": Value("float32"),

@@ -370,6 +370,9 @@ def collate(
     4D mask where a remainder sees the prefix and itself only: the unshared logprobs (and
     gradients) from fewer computed tokens. A unit per row when padded, all in one row when packed."""
     units = prefix_units(batch) if share_prefix else [[seq] for seq in batch]
+    # Nothing shared: the plain layout, whose mask lets attention take its fastest kernel (on an
+    # H100 a pass under the 4D mask ran 1.3x slower on the same tokens).
+    share_prefix = any(len(unit) > 1 for unit in units)
     # Per row: token ids, position ids, and per token its unit (-1: padding) and branch (0: the
     # shared prefix, i: the remainder of the unit's i-th member); per sequence, where each of its
     # stream positions sits in its row.

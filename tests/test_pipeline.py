@@ -51,10 +51,9 @@ def test_every_stage_writes_a_versioned_dataset_with_a_manifest(first_run):
             assert len(loaded) == manifest.rows
     rewarded = store.load("assign-rewards", result["versions"]["assign-rewards"])
     assert set(rewarded["rollout_id"]) == set(range(8)) and len(rewarded) >= 8
-    # the KL penalty (on by default) reads the reference: the starting policy
+    # no KL term by default: compute-advantages reads no reference policy
     assert store.manifest("compute-advantages", result["versions"]["compute-advantages"]).parents == {
         "assign-rewards": result["versions"]["assign-rewards"],
-        "policy#reference": result["policy"],
     }
     trained = AutoModelForCausalLM.from_pretrained(store.policy_dir(result["next_policy"]))
     assert trained.config.model_type == "qwen3"

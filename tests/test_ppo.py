@@ -271,6 +271,8 @@ def test_packed_rows_give_the_padded_logprobs_within_a_token_budget(tiny, rollou
 
 def test_packing_and_activation_checkpointing_do_not_change_the_update(tiny, rollouts):
     model, tokenizer = tiny
+    # Every rollout with an advantage (-1 for the fixture's odd ones), so every one is computed.
+    rollouts = rollouts.map(lambda r: {"advantages": [a or -1.0 for a in r["advantages"]]})
     base = PPOConfig(learning_rate=1e-4, minibatch_rollouts=4, micro_batch_rollouts=2, epochs=1, kl_coef=0.0)
     variants = {
         "padded": base,
@@ -563,6 +565,17 @@ def test_shared_micro_batches_hold_each_rollout_once_within_the_token_budget(tin
     assert len(bins) < len(micro_batches(sequences, rollouts=4, max_tokens=budget))
 
 
+def test_a_batch_that_shares_nothing_collates_as_an_unshared_one(tiny):
+    sequences = hand_built_group(tiny[0].config.vocab_size)
+    alone = [sequences[0], sequences[-1]]  # no common first token
+    for packed in (False, True):
+        shared = collate(alone, 0, torch.device("cpu"), packed=packed, share_prefix=True)
+        unshared = collate(alone, 0, torch.device("cpu"), packed=packed, share_prefix=False)
+        assert shared.keys() == unshared.keys()
+        assert all(torch.equal(shared[k], unshared[k]) for k in shared)
+    assert collate(sequences[:2], 0, torch.device("cpu"), share_prefix=True)["attention_mask"].dim() == 4
+
+
 def test_models_whose_attention_takes_no_shared_mask_are_scored_unshared():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -623,3 +636,46 @@ def test_a_shared_prefix_update_and_scores_equal_the_unshared_ones(tiny, rollout
         weights[name] = torch.cat([p.detach().flatten() for p in trained.parameters()])
     for name in ("shared, padded", "shared, packed"):
         assert (weights[name] - weights["unshared"]).abs().max() < 1e-5, name
+
+
+def test_rollouts_without_advantage_are_not_computed_and_the_update_stays_the_same(tiny, rollouts):
+    """Rollouts of advantage 0 (6 of the 8) add exactly nothing with no KL, entropy or value term, so
+    no pass computes them. The reference computes them: advantages of 1e-30 instead of 0 (a
+    gradient 1e-30 times as large), the loss normalised over the same tokens."""
+    model, tokenizer = tiny
+
+    def update(turns, **settings) -> tuple[torch.Tensor, dict, list[dict]]:
+        trained = copy.deepcopy(model)
+        config = PPOConfig(learning_rate=1e-4, minibatch_rollouts=2, micro_batch_rollouts=2, kl_coef=0.0, **settings)
+        with counting_passes() as passes:
+            metrics = optimise_policy(
+                trained, turns, config=config, temperature=1.0, pad_token_id=tokenizer.pad_token_id, seed=0
+            )
+        return torch.cat([p.detach().flatten() for p in trained.parameters()]), passes, metrics
+
+    def advantages(turns, silent: float, everyone: bool = False):
+        def row(r):
+            zero = everyone or r["rollout_id"] % 4 != 0
+            return {"advantages": [silent if zero else a for a in r["advantages"]]}
+
+        return turns.map(row)
+
+    targets = {r: 0 for r in rollouts["rollout_id"]}
+    for r, completion in zip(rollouts["rollout_id"], rollouts["completion_token_ids"]):
+        targets[r] += len(completion)
+    skipped, skipped_passes, skipped_metrics = update(advantages(rollouts, 0.0))
+    computed, computed_passes, _ = update(advantages(rollouts, 1e-30))
+    assert (skipped - computed).abs().max() < 1e-5  # lr 1e-4: float rounding, as between pass layouts
+    assert skipped_passes["training_forward"]["targets"] == sum(n for r, n in targets.items() if r % 4 == 0)
+    assert computed_passes["training_forward"]["targets"] == sum(targets.values())
+    # 4 mini-batches of 2, 2 rollouts with advantage: at least two steps compute nothing, and Adam
+    # still steps there (with the state of the steps before).
+    assert [m["rollouts_computed"] for m in skipped_metrics].count(0) >= 2
+    # Nothing to learn: no pass at all, and still the computed update.
+    silent, silent_passes, _ = update(advantages(rollouts, 0.0, everyone=True), weight_decay=0.1)
+    reference, _, _ = update(advantages(rollouts, 1e-30, everyone=True), weight_decay=0.1)
+    assert silent_passes == {} and (silent - reference).abs().max() < 1e-5
+    assert not torch.equal(silent, torch.cat([p.detach().flatten() for p in model.parameters()]))  # decayed
+    # An entropy bonus reads every rollout: all are computed.
+    _, with_entropy, _ = update(rollouts, entropy_coef=0.01)
+    assert with_entropy["training_forward"]["targets"] == sum(targets.values())

@@ -218,7 +218,7 @@ def test_rl_starts_from_the_stored_warm_start_which_is_its_kl_reference(small_co
     from pipeline.stage_table import POLICY
     from pipeline.store import Store
 
-    config = small_config.with_overrides({"sft.steps": 2, "sft.batch_size": 2})
+    config = small_config.with_overrides({"sft.steps": 2, "sft.batch_size": 2, "ppo.kl_coef": 0.05})
     store = Store(config.store.runs_dir)
     (result,) = rl_training(config)
 

@@ -217,6 +217,17 @@ def optimise_policy(
         raise ValueError("kl_in='loss' needs ref_logprobs in the compute-advantages dataset")
 
     config = memory_settings(config, large=False)  # null memory fields: off (train_policy chose them by size)
+    # A rollout whose advantages are all 0 adds exactly 0 to the loss and its gradient when no other
+    # term reads it (no KL in the loss, no entropy bonus, no critic): no pass computes it, and the loss
+    # keeps its tokens in the normaliser, so the update is the one over every rollout. (With sparse
+    # rewards most groups score alike; DAPO drops them from the batch instead, changing the normaliser.)
+    inert_without_advantage = not use_kl_loss and config.entropy_coef == 0 and not train_value
+
+    def computed(share: list[RolloutSequence]) -> list[RolloutSequence]:
+        if not inert_without_advantage:
+            return share
+        return [s for s in share if any(a != 0 for a in s.advantages)]
+
     # Old logprobs: the policy before this update, recomputed by the training forward pass;
     # generation logprobs differ once kernels or precision differ, which TIS corrects for.
     packed = config.max_tokens_per_micro_batch > 0
@@ -229,7 +240,8 @@ def optimise_policy(
         return collate(chunk, pad_token_id, device, packed, share_prefix)
 
     if config.recompute_old_logprobs is not False:  # null: the caller knows no better (RunConfig resolves it)
-        for chunk, weight in passes(sequences, ranks, split):
+        scored = computed(sequences)
+        for chunk, weight in passes(scored, ranks, split):
             batch = collated(chunk)
             count_pass("old_logprobs", batch)
             with torch.no_grad(), _autocast(device, config.autocast):
@@ -239,8 +251,8 @@ def optimise_policy(
                 seq.old_logprobs = logprobs[offset : offset + len(seq.target_positions)].tolist()
                 offset += len(seq.target_positions)
         # Each rank scored its share; the shuffled mini-batches mix the shares, so all ranks get all.
-        for rank, scored in enumerate(ranks.gather([seq.old_logprobs for seq in ranks.share(sequences)])):
-            for seq, old_logprobs in zip(sequences[rank :: ranks.world_size], scored):
+        for rank, gathered in enumerate(ranks.gather([seq.old_logprobs for seq in ranks.share(scored)])):
+            for seq, old_logprobs in zip(scored[rank :: ranks.world_size], gathered):
                 seq.old_logprobs = old_logprobs
     else:
         for seq in sequences:
@@ -268,10 +280,12 @@ def optimise_policy(
         for start in range(0, len(order), config.minibatch_rollouts):
             minibatch = [sequences[i] for i in order[start : start + config.minibatch_rollouts]]
             minibatch_tokens = sum(len(s.target_positions) for s in minibatch)
+            trained = computed(minibatch)
+            trained_tokens = sum(len(s.target_positions) for s in trained)
             sums: dict[str, float] = {}
             optimizer.zero_grad(set_to_none=True)
             # weight 0: a pass this rank repeats so that it runs as many as the busiest rank
-            for micro, weight in passes(minibatch, ranks, split):
+            for micro, weight in passes(trained, ranks, split):
                 batch = collated(micro)
                 for kind in ("training_forward", "training_backward"):
                     count_pass(kind, batch)
@@ -283,31 +297,28 @@ def optimise_policy(
                     )
                 total, terms, was_clipped, is_weight = token_loss(batch, logprobs, entropy, values, config)
                 shares = {"loss": total, **terms}
-                args = (
-                    batch["sequence_index"],
-                    config.loss_aggregation,
-                    minibatch_tokens,
-                    len(minibatch),
-                    config.loss_norm_tokens,
-                )
-                objective = aggregate(total, *args) * weight
-                objective.backward()
-                with torch.no_grad():
+                by = (batch["sequence_index"], config.loss_aggregation)
+                objective = aggregate(total, *by, minibatch_tokens, len(minibatch), config.loss_norm_tokens)
+                (objective * weight).backward()
+                with torch.no_grad():  # diagnostics: means over the rollouts this step computed
+                    over_computed = (trained_tokens, len(trained), config.loss_norm_tokens)
                     log_ratio = logprobs - batch["old_logprobs"]
                     diagnostics = {
-                        **{name: aggregate(value.detach(), *args) for name, value in shares.items()},
-                        "clip_fraction": was_clipped.float().sum() / minibatch_tokens,
-                        "approx_kl": ((torch.exp(log_ratio) - 1.0) - log_ratio).sum() / minibatch_tokens,
-                        "ratio_mean": torch.exp(log_ratio).sum() / minibatch_tokens,
-                        "is_weight_mean": is_weight.sum() / minibatch_tokens,
+                        **{name: aggregate(value.detach(), *by, *over_computed) for name, value in shares.items()},
+                        "clip_fraction": was_clipped.float().sum() / trained_tokens,
+                        "approx_kl": ((torch.exp(log_ratio) - 1.0) - log_ratio).sum() / trained_tokens,
+                        "ratio_mean": torch.exp(log_ratio).sum() / trained_tokens,
+                        "is_weight_mean": is_weight.sum() / trained_tokens,
                         "logprob_mismatch": (batch["old_logprobs"] - batch["generation_logprobs"]).abs().sum()
-                        / minibatch_tokens,
+                        / trained_tokens,
                     }
                 for name, value in diagnostics.items():
                     sums[name] = sums.get(name, 0.0) + weight * float(value)
                 sums["ratio_max"] = max(sums.get("ratio_max", 0.0), weight * float(torch.exp(log_ratio).max()))
                 sums["is_weight_max"] = max(sums.get("is_weight_max", 0.0), weight * float(is_weight.max()))
             sums = ranks.reduce_metrics(sums)
+            for parameter in parameters if not trained else []:  # Adam still steps on a zero gradient
+                parameter.grad = torch.zeros_like(parameter)
             ranks.sum_gradients(critic_parameters)  # the value head is replicated, not sharded
             # Clipped apart: the critic's gradient must not shrink the policy's step.
             policy_grad_norm = grad_norm(parameters, config.max_grad_norm)
@@ -319,6 +330,7 @@ def optimise_policy(
                     "epoch": epoch,
                     "step": len(metrics),
                     "rollouts": len(minibatch),
+                    "rollouts_computed": len(trained),
                     "tokens": minibatch_tokens,
                     "learning_rate": config.learning_rate,
                     "grad_norm": policy_grad_norm,
@@ -340,8 +352,9 @@ def metrics_summary(metrics: list[dict[str, Any]]) -> dict[str, float]:
     """Means over the optimiser steps (for the manifest)."""
     if not metrics:
         return {}
-    names = [name for name in metrics[0] if name not in ("epoch", "step")]
-    return {name: float(np.mean([m.get(name, np.nan) for m in metrics])) for name in names}
+    names = dict.fromkeys(name for m in metrics for name in m if name not in ("epoch", "step"))
+    # A step that computed no rollout has no diagnostics: the means are over the steps that have them.
+    return {name: float(np.mean([m[name] for m in metrics if name in m])) for name in names}
 
 
 # ---------------------------------------------------------------------------------------
