@@ -51,7 +51,9 @@ def mtrl(*args: str) -> tuple[str, float]:
     """Run the CLI; its stdout and wall time."""
     env = {**os.environ, "DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1"}
     started = time.perf_counter()
-    done = subprocess.run([*MTRL, *args], check=True, capture_output=True, text=True, env=env)
+    done = subprocess.run([*MTRL, *args], capture_output=True, text=True, env=env)
+    if done.returncode != 0:  # say why: a bench's traceback alone hides the command's own error
+        raise SystemExit(f"mtrl {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
     return done.stdout, time.perf_counter() - started
 
 

@@ -7,7 +7,7 @@
 The work is mtrl's default run: the embedded policy (fp32, CPU), 10 iterations of 64 rollouts
 (8 calculator questions x 8 samples, the questions of mtrl's own task sampler for each
 iteration), the `calculate` tool, up to 4 assistant turns, mtrl's reward (1 for the right final
-number), group-normalised advantages, k3 KL to the starting policy at 0.05 in the loss, AdamW
+number), group-normalised advantages, mtrl's KL setting (none by default; TRL's beta follows it), AdamW
 lr 1e-4 (constant), 4 optimiser steps of 16 rollouts, one pass, clip 0.2 / 0.28, token-mean loss,
 at most 96 new tokens per assistant turn (384 for the whole completion).
 
