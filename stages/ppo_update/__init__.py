@@ -282,6 +282,7 @@ def optimise_policy(
             minibatch_tokens = sum(len(s.target_positions) for s in minibatch)
             trained = computed(minibatch)
             trained_tokens = sum(len(s.target_positions) for s in trained)
+            over_computed = (trained_tokens, len(trained), config.loss_norm_tokens)  # the diagnostics' means
             sums: dict[str, float] = {}
             optimizer.zero_grad(set_to_none=True)
             # weight 0: a pass this rank repeats so that it runs as many as the busiest rank
@@ -301,7 +302,6 @@ def optimise_policy(
                 objective = aggregate(total, *by, minibatch_tokens, len(minibatch), config.loss_norm_tokens)
                 (objective * weight).backward()
                 with torch.no_grad():  # diagnostics: means over the rollouts this step computed
-                    over_computed = (trained_tokens, len(trained), config.loss_norm_tokens)
                     log_ratio = logprobs - batch["old_logprobs"]
                     diagnostics = {
                         **{name: aggregate(value.detach(), *by, *over_computed) for name, value in shares.items()},
