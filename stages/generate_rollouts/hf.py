@@ -37,6 +37,10 @@ def filter_logits(scaled_logits: torch.Tensor, top_k: int, top_p: float) -> torc
     return scaled_logits
 
 
+# A row that left the batch while decoding: its attention mask and every layer's (keys, values).
+Retired = tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]
+
+
 class HFEngine:
     """Batched decoding over a HF causal LM with a KV cache that survives between calls.
 
@@ -44,7 +48,9 @@ class HFEngine:
     tokens its row already holds, those rows are kept (in the new order) and only the new
     tokens are prefilled; otherwise the cache is rebuilt from the full contexts. Rows are
     aligned by padding *between* segments (attention mask 0), with position ids counted over
-    real tokens only, so results equal unpadded per-rollout decoding.
+    real tokens only, so results equal unpadded per-rollout decoding. Work nobody needs is not
+    done: requests with the same tokens on an empty cache (a group's prompt) are prefilled once,
+    and a row that finished leaves the batch until the turn ends (then it is put back).
     """
 
     def __init__(
@@ -154,6 +160,65 @@ class HFEngine:
         self._cache, self._mask = out.cache, mask
         return out.logits[:, -1, :].float()
 
+    def _prefill(self, new_tokens: list[list[int]], shared: bool) -> torch.Tensor:
+        """Append each row's new tokens, left-padded so every row ends at the last column; return
+        the last column's logits. With `shared` (an empty cache), requests with the same tokens
+        (a group's rollouts at turn 0: one prompt, G samples) are computed once and their rows
+        copied: at G = 8 that is an eighth of turn 0's prefill."""
+        unique: dict[tuple[int, ...], int] = {}
+        copy_of = [unique.setdefault(tuple(tokens), len(unique)) for tokens in new_tokens] if shared else None
+        computed = [list(tokens) for tokens in unique] if shared else new_tokens
+        width = max(len(tokens) for tokens in computed)
+        block = torch.full((len(computed), width), self.pad_token_id, dtype=torch.long)
+        block_mask = torch.zeros((len(computed), width), dtype=torch.long)
+        for row, tokens in enumerate(computed):
+            block[row, width - len(tokens) :] = torch.tensor(tokens)
+            block_mask[row, width - len(tokens) :] = 1
+        logits = self._forward(block.to(self.device), block_mask.to(self.device))
+        if copy_of is None or len(computed) == len(new_tokens):
+            return logits
+        index = torch.tensor(copy_of, device=self.device)
+        self._cache.batch_select_indices(index)
+        self._mask = self._mask[index]
+        return logits[index]
+
+    def _retire(self, live: list[int], going_on: list[int]) -> dict[int, Retired]:
+        """Take the rows not in `going_on` out of the cache; returns them by request (`live`
+        maps the cache's rows to requests)."""
+        leaving = {
+            request: (
+                self._mask[row].clone(),
+                [(layer.keys[row].clone(), layer.values[row].clone()) for layer in self._cache.layers],
+            )
+            for row, request in enumerate(live)
+            if row not in going_on
+        }
+        self._cache.batch_select_indices(torch.tensor(going_on, device=self.device))
+        self._mask = self._mask[going_on]
+        return leaving
+
+    def _readmit(self, live: list[int], retired: dict[int, Retired]) -> None:
+        """Put the rows that left the batch while decoding back beside the `live` ones, in request
+        order, right-aligned (shorter rows padded on the left, masked): the cache then holds a
+        row for every request, as if all had decoded to the end."""
+        if not retired:
+            return
+        count, width = len(live) + len(retired), self._mask.shape[1]
+        mask = self._mask.new_zeros((count, width))
+        mask[live] = self._mask
+        for request, (row_mask, _) in retired.items():
+            mask[request, width - row_mask.shape[0] :] = row_mask
+        for index, layer in enumerate(self._cache.layers):
+            keys = layer.keys.new_zeros((count, *layer.keys.shape[1:]))
+            values = layer.values.new_zeros((count, *layer.values.shape[1:]))
+            keys[live], values[live] = layer.keys, layer.values
+            for request, (row_mask, layers) in retired.items():
+                keys[request, :, width - row_mask.shape[0] :], values[request, :, width - row_mask.shape[0] :] = layers[
+                    index
+                ]
+            layer.keys, layer.values = keys, values
+        self._mask = mask
+
     @torch.no_grad()
     def sample(
         self,
@@ -177,21 +242,12 @@ class HFEngine:
         if rows is None:
             self.reset()
             self._cache = DynamicCache(config=self.model.config)
-            prefixes = [0] * len(requests)
+            new_tokens = [r.token_ids for r in requests]
         else:
             self._cache.batch_select_indices(torch.tensor(rows, device=self.device))
             self._mask = self._mask[rows]
-            prefixes = [len(self._cached_tokens[row]) for row in rows]
-
-        # Prefill the new tokens of every row, left-padded so each row ends at the last column.
-        new_tokens = [r.token_ids[p:] for r, p in zip(requests, prefixes)]
-        width = max(len(t) for t in new_tokens)
-        block = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long)
-        block_mask = torch.zeros((len(requests), width), dtype=torch.long)
-        for i, tokens in enumerate(new_tokens):
-            block[i, width - len(tokens) :] = torch.tensor(tokens)
-            block_mask[i, width - len(tokens) :] = 1
-        logits = self._forward(block.to(self.device), block_mask.to(self.device))
+            new_tokens = [r.token_ids[len(self._cached_tokens[row]) :] for r, row in zip(requests, rows)]
+        logits = self._prefill(new_tokens, shared=rows is None)
 
         generators = [torch.Generator(device=self.device).manual_seed(r.seed) for r in requests]
         limits = [r.max_new_tokens for r in requests]
@@ -200,6 +256,8 @@ class HFEngine:
         sampled: list[list[int]] = [[] for _ in requests]
         logprobs: list[list[float]] = [[] for _ in requests]
         finish: list[str | None] = [None] * len(requests)
+        live = list(range(len(requests)))  # the requests the cache's rows hold, in row order
+        retired: dict[int, Retired] = {}  # request -> its row, once it left the batch
         while True:
             scaled = logits / sampling.temperature
             token_logprobs = torch.log_softmax(scaled, dim=-1)
@@ -208,19 +266,17 @@ class HFEngine:
                 # vectorised, and a row's tokens do not depend on the rest of the batch.
                 probs = filter_logits(scaled, sampling.top_k, sampling.top_p).softmax(dim=-1)
                 uniforms = torch.stack(
-                    [torch.rand((), generator=g, device=self.device, dtype=torch.float32) for g in generators]
+                    [torch.rand((), generator=generators[i], device=self.device, dtype=torch.float32) for i in live]
                 )
                 cumulative = probs.cumsum(dim=-1)
                 tokens = torch.searchsorted(cumulative, (uniforms * cumulative[:, -1])[:, None])[:, 0]
                 tokens = tokens.clamp(max=probs.shape[-1] - 1)
             else:
-                tokens = torch.tensor([f[min(len(s), len(f) - 1)] for f, s in zip(forced, sampled)], device=self.device)
+                tokens = torch.tensor([forced[i][len(sampled[i])] for i in live], device=self.device)
             chosen_logprobs = token_logprobs.gather(-1, tokens[:, None])[:, 0].tolist()
-            for i, token in enumerate(tokens.tolist()):
-                if finish[i] is not None:
-                    continue
+            for i, token, logprob in zip(live, tokens.tolist(), chosen_logprobs):
                 sampled[i].append(token)
-                logprobs[i].append(chosen_logprobs[i])
+                logprobs[i].append(logprob)
                 if forced is not None:
                     finish[i] = FinishReason.REPLAYED if len(sampled[i]) == len(forced[i]) else None
                 elif token in eos:
@@ -235,11 +291,16 @@ class HFEngine:
                 report_progress(1.0 if finished else max(map(len, sampled)) / max(limits))
             if finished:
                 break
-            # Feed the sampled tokens; rows that finished are masked out from here on.
-            active = torch.tensor([[f is None] for f in finish], dtype=torch.long, device=self.device)
-            logits = self._forward(tokens[:, None], active)
+            # Rows that finished leave the batch: the rest decode without computing them (a
+            # turn's completions differ in length, 2x on SmolLM2's calculator rollouts).
+            going_on = [row for row, i in enumerate(live) if finish[i] is None]
+            if len(going_on) < len(live):
+                retired.update(self._retire(live, going_on))
+                live, tokens = [live[row] for row in going_on], tokens[going_on]
+            logits = self._forward(tokens[:, None], torch.ones((len(live), 1), dtype=torch.long, device=self.device))
 
         progress.close()
+        self._readmit(live, retired)
         self._compact()
         # The last sampled token of each row is not in the cache yet; it is fed next turn.
         self._keys = [r.key for r in requests]
