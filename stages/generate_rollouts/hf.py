@@ -185,13 +185,14 @@ class HFEngine:
     def _retire(self, live: list[int], going_on: list[int]) -> dict[int, Retired]:
         """Take the rows not in `going_on` out of the cache; returns them by request (`live`
         maps the cache's rows to requests)."""
+        staying = set(going_on)
         leaving = {
             request: (
                 self._mask[row].clone(),
                 [(layer.keys[row].clone(), layer.values[row].clone()) for layer in self._cache.layers],
             )
             for row, request in enumerate(live)
-            if row not in going_on
+            if row not in staying
         }
         self._cache.batch_select_indices(torch.tensor(going_on, device=self.device))
         self._mask = self._mask[going_on]
@@ -204,18 +205,17 @@ class HFEngine:
         if not retired:
             return
         count, width = len(live) + len(retired), self._mask.shape[1]
+        starts = {request: width - row_mask.shape[0] for request, (row_mask, _) in retired.items()}
         mask = self._mask.new_zeros((count, width))
         mask[live] = self._mask
         for request, (row_mask, _) in retired.items():
-            mask[request, width - row_mask.shape[0] :] = row_mask
+            mask[request, starts[request] :] = row_mask
         for index, layer in enumerate(self._cache.layers):
             keys = layer.keys.new_zeros((count, *layer.keys.shape[1:]))
             values = layer.values.new_zeros((count, *layer.values.shape[1:]))
             keys[live], values[live] = layer.keys, layer.values
-            for request, (row_mask, layers) in retired.items():
-                keys[request, :, width - row_mask.shape[0] :], values[request, :, width - row_mask.shape[0] :] = layers[
-                    index
-                ]
+            for request, (_, layers) in retired.items():
+                keys[request, :, starts[request] :], values[request, :, starts[request] :] = layers[index]
             layer.keys, layer.values = keys, values
         self._mask = mask
 
