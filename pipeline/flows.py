@@ -149,9 +149,10 @@ def experience(
 
     def play_turn(turn: int, previous: str | None) -> tuple[str, int]:
         check_stop()
-        generated = generate(config, policy, previous, iteration, turn, progress.artifact_id)
-        executed = execute(config, generated, runner)
-        return executed, store.manifest("execute-tools", executed).active
+        with PHASES.section("turn"):  # where a turn's time goes (bench/long_episodes.py)
+            generated = generate(config, policy, previous, iteration, turn, progress.artifact_id)
+            executed = execute(config, generated, runner)
+            return executed, store.manifest("execute-tools", executed).active
 
     turns = play_turns(config, play_turn)
     progress.finish(f"iteration {iteration}: all rollouts stopped after {len(turns)} turn(s)")

@@ -40,6 +40,7 @@ from pipeline.stage_table import POLICY, SHAPING_LIBRARIES, STAGES, library_vers
 from pipeline.store import TMP_PREFIX, Store, copy_files
 from runtime.hashing import file_digests, version_key
 from runtime.memory import peak_memory
+from runtime.phases import PHASES
 from schemas.config import RunConfig
 from schemas.features import PPO_UPDATE, SFT, dataset_from_rows, token_counts
 from schemas.token_stream import chat_template_hash
@@ -286,7 +287,8 @@ def generate_rollouts_task(
 def execute_shard(turns: datasets.Dataset, model_dir: str, config: RunConfig) -> datasets.Dataset:
     """execute-tools on some of a turn's rows (all of them, or one Ray shard)."""
     load_plugins(config.task.plugins)  # a Ray worker has not imported them yet
-    return execute_tools.execute_turn(turns, cached_tokenizer(model_dir), config)
+    with PHASES.span("stage_compute"):
+        return execute_tools.execute_turn(turns, cached_tokenizer(model_dir), config)
 
 
 @stage_task("execute-tools")
@@ -307,7 +309,8 @@ def assign_rewards_task(
     load_plugins(config.task.plugins)  # a Ray worker has not imported them yet
     turns = lineage.load_turns(store, parents["execute-tools"])
     tasks = run_environments(config)
-    dataset = assign_rewards.assign_rewards(turns, tasks, config.reward)
+    with PHASES.span("stage_compute"):
+        dataset = assign_rewards.assign_rewards(turns, tasks, config.reward)
     return dataset, {"metrics": assign_rewards.rollout_metrics(dataset, tasks, config.task.max_turns)}
 
 
@@ -322,7 +325,7 @@ def compute_advantages_task(
         reference == lineage.generating_policy(store, "assign-rewards", parents["assign-rewards"])
         and config.exact_generation_logprobs()
     )
-    with counting_passes() as passes:
+    with counting_passes() as passes, PHASES.span("stage_compute"):
         scored = compute_advantages.score_with_policies(
             turns,
             critic_dir=store.policy_dir(parents[POLICY]) if POLICY in parents else None,
@@ -383,7 +386,7 @@ def ppo_update_task(
         # the resident set is the process's: with ppo.max_staleness the next batch, made in a thread
         # beside this one, counts too (memory.scope says so; torchrun's ranks measure only themselves)
         beside = [thread.name for thread in threading.enumerate() if thread.name.startswith(AHEAD_THREAD)]
-        with peak_memory() as memory, counting_passes() as passes:
+        with peak_memory() as memory, counting_passes() as passes, PHASES.span("stage_compute"):
             memory["scope"] = "the process, with the next batch made beside it" if beside else "this stage"
             if config.ppo.world_size == 1:
                 trained = ppo_update.train_policy(

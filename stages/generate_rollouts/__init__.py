@@ -17,6 +17,7 @@ from typing import Any
 
 import datasets
 
+from runtime.phases import PHASES
 from schemas.config import GenerationConfig, RunConfig
 from schemas.features import GENERATE_ROLLOUTS, FinishReason, dataset_from_rows
 from schemas.token_stream import (
@@ -124,7 +125,8 @@ def generate_rollouts(
         if budget >= 1:  # else a prompt longer than the context: an empty turn, a truncation
             requests.append(Request(row["rollout_id"], stream, row["sampling_seed"], budget, row.pop("stop", ())))
     sampling = Sampling(config.temperature, config.top_k, config.top_p)
-    generation = engine.generate(requests, sampling, earlier_turns=history, report_progress=report_progress)
+    with PHASES.span("stage_compute"):  # the stage's own work, apart from reading and writing (bench/long_episodes.py)
+        generation = engine.generate(requests, sampling, earlier_turns=history, report_progress=report_progress)
     completions = {request.key: completion for request, completion in zip(requests, generation.completions)}
 
     for row in rows:
