@@ -52,25 +52,20 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from runtime.memory import current_rss_bytes
+from runtime.passes import counting_passes
 from schemas.config import PPOConfig
 from schemas.features import COMPUTE_ADVANTAGES, dataset_from_rows
 from stages.generate_rollouts.engine import Request, Sampling
 from stages.generate_rollouts.hf import HFEngine
-from stages.policy import (
-    LARGE_MODEL_PARAMETERS,
-    RolloutSequence,
-    collate,
-    counting_passes,
-    forward_targets,
-    memory_settings,
-)
+from stages.policy.batching import LARGE_MODEL_PARAMETERS, RolloutSequence, collate, memory_settings
+from stages.policy.scoring import forward_targets
 from stages.ppo_update import optimise_policy
 
 
 def build_model(name: str, device: torch.device) -> torch.nn.Module:
     if name == "tiny":
         from pipeline.models import EMBEDDED_POLICY
-        from stages.policy import load_model
+        from stages.policy.loading import load_model
 
         return load_model(EMBEDDED_POLICY, "float32", device.type)
     torch.manual_seed(0)

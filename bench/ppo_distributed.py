@@ -35,7 +35,7 @@ from engine import synthetic_turns  # noqa: E402
 from pipeline.launch import train_with_torchrun  # noqa: E402
 from pipeline.models import EMBEDDED_POLICY  # noqa: E402
 from schemas.config import RunConfig  # noqa: E402
-from stages.policy import load_tokenizer  # noqa: E402
+from stages.policy.loading import load_tokenizer  # noqa: E402
 
 
 def random_policy(directory: Path, hidden: int, layers: int) -> int:

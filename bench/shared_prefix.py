@@ -39,17 +39,15 @@ from runtime.threads import use_threads  # noqa: E402
 from schemas.config import RunConfig  # noqa: E402
 from schemas.features import COMPUTE_ADVANTAGES  # noqa: E402
 from stages.generate_rollouts.hf import HFEngine  # noqa: E402
-from stages.policy import (  # noqa: E402
+from stages.policy.batching import (  # noqa: E402
     computed_tokens,
-    eos_token_ids,
-    load_model,
-    load_tokenizer,
     memory_settings,
     micro_batches,
     prefix_units,
     rollout_sequences,
-    score_rollouts,
 )
+from stages.policy.loading import eos_token_ids, load_model, load_tokenizer  # noqa: E402
+from stages.policy.scoring import score_rollouts  # noqa: E402
 from stages.ppo_update import optimise_policy  # noqa: E402
 
 

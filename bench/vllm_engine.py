@@ -50,7 +50,7 @@ from schemas.config import RunConfig
 from schemas.token_stream import prompt_token_ids
 from stages.generate_rollouts import sampling_seed
 from stages.generate_rollouts.engine import Request, Sampling, open_engine
-from stages.policy import load_model, load_tokenizer
+from stages.policy.loading import load_model, load_tokenizer
 
 QUESTIONS = ["What is 12 * 7?", "Compute 3 + 4 - 9.", "How much is 81 / 9 + 2?", "What is 5 * (6 - 2)?"]
 

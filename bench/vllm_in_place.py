@@ -23,7 +23,7 @@ from runtime.vllm_server import vllm_version
 from schemas.config import RunConfig
 from schemas.token_stream import prompt_token_ids
 from stages.generate_rollouts.engine import Request, Sampling, open_engine
-from stages.policy import load_tokenizer
+from stages.policy.loading import load_tokenizer
 
 
 def main() -> None:

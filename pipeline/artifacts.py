@@ -43,7 +43,6 @@ from runtime.phases import PHASES
 
 SUMMARY_KEY = "rl-iteration-summary"
 GENERATION_PROGRESS_KEY = "generate-rollouts-progress"
-PPO_PROGRESS_KEY = "ppo-update-progress"
 UPDATE_INTERVAL_S = 1.0  # a callback fires per token or step; the API hears at most once a second
 
 _sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtrl-artifacts")  # one thread: calls keep their order
@@ -178,22 +177,34 @@ def generation_progress(iteration: int, turn_limit: int) -> Progress:
     return Progress.create(GENERATION_PROGRESS_KEY, f"iteration {iteration}: turn 1 of at most {turn_limit}")
 
 
-def turn_progress(artifact_id: UUID | None, iteration: int, turn: int, turn_limit: int) -> Callable[[float], None]:
-    """A generate-rollouts callback: the share of turn `turn` decoded moves the iteration's
-    bar from turn/turn_limit to (turn + 1)/turn_limit; the end of a turn is always sent. No
-    bar (the API refused it): nothing is sent."""
-    if artifact_id is None:
-        return lambda decoded: None
-    progress = Progress(artifact_id)
+def turn_stretch(progress: Progress, iteration: int, turn: int, turn_limit: int) -> dict[str, Any] | None:
+    """The stretch of the iteration's generation bar that turn `turn` moves (stretch_of): from
+    turn/turn_limit to (turn + 1)/turn_limit; None when the API refused the bar."""
+    if progress.artifact_id is None:
+        return None
+    done = f"iteration {iteration}: {turn + 1} of at most {turn_limit} turns generated"
+    return {"artifact": progress.artifact_id, "start": turn / turn_limit, "end": (turn + 1) / turn_limit, "done": done}
 
-    def report(decoded: float) -> None:
-        done = f"iteration {iteration}: {turn + 1} of at most {turn_limit} turns generated" if decoded >= 1 else None
-        progress.update(100 * (turn + decoded) / turn_limit, done)
+
+def stretch_of(artifact: UUID, start: float, end: float, done: str) -> Callable[[float], None]:
+    """A stage's progress callback (the share of its work done, 0 to 1) that moves a bar from
+    `start` to `end` (shares of the bar), and says `done` at its end."""
+    progress = Progress(artifact)
+
+    def report(share: float) -> None:
+        progress.update(100 * (start + share * (end - start)), done if share >= 1 else None)
 
     return report
 
 
-def ppo_progress(iteration: int) -> Callable[[float], None]:
-    """A ppo-update callback: a bar of the optimiser steps done, attached to the task run."""
-    progress = Progress.create(PPO_PROGRESS_KEY, f"iteration {iteration}: optimiser steps done")
-    return lambda done: progress.update(100 * done)
+def bar_of_its_own(stage: str) -> Callable[[float], None]:
+    """A stage's progress callback that makes a bar of its own (key STAGE-progress), attached to its
+    task run, when it first reports (a stage that never reports makes none)."""
+    made: list[Progress] = []
+
+    def report(share: float) -> None:
+        if not made:
+            made.append(Progress.create(f"{stage}-progress", f"{stage}: share of the work done"))
+        made[0].update(100 * share)
+
+    return report

@@ -33,14 +33,16 @@ import datasets
 import numpy as np
 
 from pipeline.lineage import generating_policy, load_turns
-from pipeline.stage_table import POLICY
 from pipeline.store import Store
-from schemas.config import RunConfig, rescore_tolerance
+from runtime.passes import PassCounts, counting_passes
+from schemas.config import RunConfig
 from schemas.features import GENERATE_ROLLOUTS, dataset_from_rows
+from schemas.stage import POLICY
 from schemas.token_stream import Rollout, generation_prompt_ids, prompt_token_ids, rollouts
 from stages.environments import Environment
-from stages.policy import PassCounts, counting_passes, load_model, load_tokenizer, score_rollouts
-from stages.registry import registered_tools, run_environments, tool_schemas
+from stages.policy.loading import load_model, load_tokenizer
+from stages.policy.scoring import rescore_tolerance, score_rollouts
+from stages.registry import Tasks, tool_schemas
 
 
 class AuditError(ValueError):
@@ -92,7 +94,7 @@ def audit(
     max_failed_fraction: float = 1.0,
 ) -> AuditReport:
     """Check a generate/execute/assign/compute dataset (columns it lacks are not checked).
-    `environments` and `tools` (stages.registry.run_environments, registered_tools) render each rollout's
+    `environments` and `tools` (stages.registry.Tasks: environments(), tools()) render each rollout's
     prompt, which its first context must be."""
     report = AuditReport(rescore_tolerance=rescore_tolerance)
     columns = set(turns.column_names)
@@ -259,13 +261,14 @@ def audit_stored(store: Store, stage: str, version: str, config: RunConfig, seed
     run's settings: its templates, tools, dtype and `audit` section."""
     turns = turns_with_history(store, stage, version)  # a later turn is checked after the earlier ones
     policy_dir = store.policy_dir(generating_policy(store, stage, version))
+    tasks = Tasks.resolve(config)
     return audit(
         turns,
         store,
         load_tokenizer(str(policy_dir)),
         enable_thinking=config.generation.enable_thinking,
-        environments=run_environments(config),
-        tools=registered_tools(config),
+        environments=tasks.environments(),
+        tools=tasks.tools(),
         rescore_fraction=config.audit.rescore_fraction,
         rescore_tolerance=rescore_tolerance(config.audit.tolerance, config.model.dtype),
         temperature=config.generation.temperature,

@@ -212,13 +212,13 @@ def write_run_log(store: Store, results: list[dict[str, Any]]) -> Path:
 
 def command_stage(args: argparse.Namespace) -> Work:
     """Re-run one stage: the config recorded in the input's lineage, then --config, flags, --set."""
-    from pipeline.lineage import lineage_config
+    from pipeline.lineage import run_config
     from pipeline.store import Store
 
     store = Store(args.runs_dir)
     source_stage, source_version = store.resolve(args.source)
     recorded = RunConfig.model_validate(
-        {**lineage_config(store, source_stage, source_version), "store": {"runs_dir": str(args.runs_dir)}}
+        deep_merge(run_config(store, source_stage, source_version), {"store": {"runs_dir": str(args.runs_dir)}})
     )
     config = build_config(args, base=recorded)
     run_flow = start_flows(config)
@@ -257,12 +257,12 @@ def command_eval(args: argparse.Namespace) -> Work:
     (imported, as a run would), never the rollouts."""
     config = checked(build_config(args))
     from pipeline.evaluate import run_episodes
+    from pipeline.models import import_base_policy
     from pipeline.store import Store
-    from pipeline.tasks import import_base_policy
     from stages.assign_rewards import rollout_metrics
-    from stages.generate_rollouts.engine import open_engine
-    from stages.policy import load_tokenizer
-    from stages.registry import run_environments
+    from stages.generate_rollouts.engine import EngineSettings, open_engine
+    from stages.policy.loading import load_tokenizer
+    from stages.registry import Tasks
 
     def run() -> None:
         store = Store(config.store.runs_dir)
@@ -276,12 +276,13 @@ def command_eval(args: argparse.Namespace) -> Work:
             raise UsageError(str(exc)) from None
         model_dir = store.policy_dir(version)
         tokenizer = load_tokenizer(str(model_dir))
-        engine = open_engine(model_dir, tokenizer, config)
+        engine = open_engine(model_dir, tokenizer, EngineSettings.resolve(config))
         try:  # evaluation tasks come from their own seed, never the training iterations'
             turns = run_episodes(engine, tokenizer, config, iteration=EVAL_ITERATION)
         finally:
             engine.close()
-        metrics = rollout_metrics(turns, run_environments(config), config.task.max_turns)
+        tasks = Tasks.resolve(config)
+        metrics = rollout_metrics(turns, tasks.environments(), tasks.max_turns)
         print(json.dumps({"policy": str(model_dir), **metrics}, indent=2))
 
     return run
@@ -336,10 +337,10 @@ def command_show(args: argparse.Namespace) -> Work:
 
 def command_audit(args: argparse.Namespace) -> Work:
     from pipeline.audit import audit_stored
-    from pipeline.lineage import lineage_config
+    from pipeline.lineage import run_config
     from pipeline.stage_table import STAGES
     from pipeline.store import Store
-    from stages.task_mix import load_plugins
+    from stages.registry import load_plugins
 
     store = Store(args.runs_dir)
     stage, version = store.resolve(args.reference)
@@ -351,7 +352,7 @@ def command_audit(args: argparse.Namespace) -> Work:
         problems = store.verify(stage, version)
         if problems:
             raise UsageError(f"{stage}/{version} files do not match the manifest: {'; '.join(problems)}")
-        recorded = RunConfig.model_validate(lineage_config(store, stage, version))
+        recorded = RunConfig.model_validate(run_config(store, stage, version))
         load_plugins(recorded.task.plugins)  # the prompts of a plugin's tasks are checked too
         settings = {"audit.rescore_fraction": args.rescore_fraction, "audit.tolerance": args.tolerance}
         report = audit_stored(store, stage, version, recorded.with_overrides(settings))
@@ -410,9 +411,9 @@ class RerunnableStages:
     when argparse checks a name or prints them."""
 
     def names(self) -> list[str]:
-        from pipeline.stage_table import STAGES
+        from pipeline.stage_table import RERUN_FROM
 
-        return [name for name, table in STAGES.items() if table.rerun_from]
+        return list(RERUN_FROM)
 
     def __contains__(self, name: object) -> bool:
         return name in self.names()

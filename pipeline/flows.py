@@ -4,8 +4,8 @@
     tasks ─────┴─> [generate-rollouts]_t ─> [execute-tools]_t   for t = 0..T-1 (active rollouts)
                                          └─> [assign-rewards] ─> [compute-advantages] ─> [ppo-update] ─> policy vN+1
 
-Each stage is a Prefect task (pipeline/tasks.py) that writes one version of its dataset; the
-flows pass versions, and the store on disk holds the data.
+Each stage runs as a Prefect task (pipeline/stage_runs.py) that writes one version of its dataset;
+the flows pass versions, and the store on disk holds the data.
 
 With ppo.max_staleness K > 0 the rollouts of iteration i come from policy max(0, i - K), and
 iteration i + 1's experience (rollouts, rewards, advantages: it needs no newer policy) is made
@@ -28,28 +28,20 @@ from prefect import flow, get_run_logger
 from pipeline import artifacts, lineage, retention
 from pipeline.artifacts import generation_progress, publish_summary
 from pipeline.audit import AuditReport, audit_before_training
-from pipeline.evaluate import play_turns
+from pipeline.models import import_base_policy
 from pipeline.prefect_settings import flow_heartbeats
 from pipeline.preflight import check_config
 from pipeline.runners import stage_runner
-from pipeline.stage_table import POLICY, STAGES
+from pipeline.stage_runs import run_stage, settings_of
+from pipeline.stage_table import POLICY, RERUN_FROM, STAGES
 from pipeline.store import Store
-from pipeline.tasks import (
-    AHEAD_THREAD,
-    ON_ONE_INPUT,
-    POLICY_ENGINE,
-    advantage,
-    execute,
-    generate,
-    reward,
-    starting_policy,
-    update,
-)
 from runtime.interrupt import INTERRUPTED
 from runtime.phases import PHASES
 from runtime.threads import use_threads
 from schemas.config import RunConfig
-from stages.task_mix import turn_limit
+from stages.generate_rollouts.engine import ENGINE
+from stages.policy.loading import load_tokenizer
+from stages.ppo_update import AHEAD_THREAD
 
 
 @dataclass(frozen=True)
@@ -103,7 +95,8 @@ def rl_iteration(
                 config, iteration + 1, lineage.policy_before(store, policy_version, staleness - 1), runner
             )
         with ahead as next_batch:  # the update and its bookkeeping; the next batch is made beside them
-            updated = update(config, batch.advantaged, policy=policy_version, audit=batch.audit)
+            parents = {"compute-advantages": batch.advantaged, POLICY: policy_version}
+            updated = run_stage(config, "ppo-update", parents, audit=batch.audit.as_dict())
             next_policy = store.manifest("ppo-update", updated).policy
             prune_lineage(store, config, next_policy)
             metrics = store.manifest("assign-rewards", batch.rewarded).metrics
@@ -134,9 +127,9 @@ def experience(
     config: RunConfig, iteration: int, policy: str, runner: Any, stop: threading.Event | None = None
 ) -> Experience:
     """Everything of an iteration before ppo-update: its rollouts turn by turn (generate-rollouts,
-    then execute-tools, until no rollout is active), their rewards and advantages, and the audit
-    (stored versions are found at once). `stop` (set when the thread beside this one failed or
-    was interrupted) ends it at the next turn or stage boundary."""
+    then execute-tools, until no rollout is active or the turn limit), their rewards and
+    advantages, and the audit (stored versions are found at once). `stop` (set when the thread
+    beside this one failed or was interrupted) ends it at the next turn or stage boundary."""
 
     def check_stop() -> None:
         if INTERRUPTED.is_set():  # a Ctrl-C, even one Prefect swallowed (runtime/interrupt.py)
@@ -144,23 +137,30 @@ def experience(
         if stop is not None and stop.is_set():
             raise StoppedError(f"iteration {iteration}'s experience stopped: the thread beside it failed")
 
-    progress = generation_progress(iteration, turn_limit(config))
     store = Store(config.store.runs_dir)
-
-    def play_turn(turn: int, previous: str | None) -> tuple[str, int]:
+    turn_limit = settings_of("generate-rollouts", config).tasks.longest_turn_limit()
+    progress = generation_progress(iteration, turn_limit)
+    turns: list[str] = []  # the execute-tools version of each turn
+    for turn in range(turn_limit):
         check_stop()
         with PHASES.section("turn"):  # where a turn's time goes (bench/long_episodes.py)
-            generated = generate(config, policy, previous, iteration, turn, progress.artifact_id)
-            executed = execute(config, generated, runner)
-            return executed, store.manifest("execute-tools", executed).active
-
-    turns = play_turns(config, play_turn)
+            previous = {"execute-tools": turns[-1]} if turns else {}
+            generated = run_stage(
+                config,
+                "generate-rollouts",
+                {POLICY: policy, **previous},
+                {"iteration": iteration, "turn": turn},
+                progress=artifacts.turn_stretch(progress, iteration, turn, turn_limit),
+            )
+            turns.append(run_stage(config, "execute-tools", {"generate-rollouts": generated}, runner=runner))
+            if store.manifest("execute-tools", turns[-1]).active == 0:
+                break
     progress.finish(f"iteration {iteration}: all rollouts stopped after {len(turns)} turn(s)")
-    POLICY_ENGINE.close(unless_it_reloads=True)  # free its memory for the stages that load models
+    ENGINE.close(unless_it_reloads=True)  # free its memory for the stages that load models
     check_stop()
-    rewarded = reward(config, turns[-1], runner)
+    rewarded = run_stage(config, "assign-rewards", {"execute-tools": turns[-1]}, runner=runner)
     check_stop()
-    advantaged = advantage(config, rewarded)
+    advantaged = run_stage(config, "compute-advantages", {"assign-rewards": rewarded})
     check_stop()
     # ppo-update's gate, passed as soon as the batch exists (with ppo.max_staleness, beside the
     # previous update); a batch that fails is never trained on
@@ -177,7 +177,8 @@ def made_beside(config: RunConfig, iteration: int, policy: str, runner: Any) -> 
     engine is opened (or updated and verified) here, in the flow's thread, before the thread
     starts: the hf engine loads its model in model.dtype, and a load sets the process's default
     dtype, which must not change while ppo-update's forward passes run beside it."""
-    POLICY_ENGINE.serving(Store(config.store.runs_dir), config, policy)
+    policy_dir = Store(config.store.runs_dir).policy_dir(policy)
+    ENGINE.serving(policy_dir, load_tokenizer(str(policy_dir)), settings_of("generate-rollouts", config).engine)
     return in_background(experience, config, iteration, policy, runner)
 
 
@@ -236,7 +237,7 @@ def rl_training(config: RunConfig) -> list[dict[str, Any]]:
                 batch, policy_version = result.pop("next_batch"), result["next_policy"]
                 results.append(result)
         finally:
-            POLICY_ENGINE.close()
+            ENGINE.close()
     return results
 
 
@@ -260,18 +261,26 @@ def rerun_stage(config: RunConfig, stage: str, source: str, policy: str | None =
     `policy`: the policy ppo-update trains (default: the rollouts' generating policy)."""
     store = flow_start(config)
     source_stage, source_version = store.resolve(source)
-    rerunnable = {name: table.rerun_from for name, table in STAGES.items() if table.rerun_from}
-    if rerunnable.get(stage) != source_stage:
-        choices = ", ".join(f"{name} --from {source}/VERSION" for name, source in rerunnable.items())
+    if RERUN_FROM.get(stage) != source_stage:
+        choices = ", ".join(f"{name} --from {source}/VERSION" for name, source in RERUN_FROM.items())
         raise ValueError(f"`mtrl stage {stage}` cannot run on {source_stage}/VERSION; valid: {choices}")
     if policy is not None and stage != "ppo-update":
         raise ValueError(f"{stage} reads the policy of its rollouts' lineage; only ppo-update takes a policy")
     with store.lock(), stage_runner(config.runner) as runner:
-        trains = {"policy": policy} if policy else {}
-        version = ON_ONE_INPUT[stage](config, source_version, runner, **trains)
-        if stage == "ppo-update":
+        trains = {POLICY: policy} if policy else {}
+        version = run_stage(config, stage, {source_stage: source_version, **trains}, runner=runner)
+        if STAGES[stage].writes_policy:
             prune_lineage(store, config, store.manifest(stage, version).policy)
         return version
+
+
+def starting_policy(store: Store, config: RunConfig) -> str:
+    """The policy RL starts from (and the KL reference): the imported model, or with sft.steps > 0
+    its warm start (a stored version: the same settings on the same model train once)."""
+    base = import_base_policy(store, config)
+    if config.sft.steps == 0:
+        return base
+    return store.manifest("sft", run_stage(config, "sft", {POLICY: base})).policy
 
 
 def prune_lineage(store: Store, config: RunConfig, policy_version: str) -> None:

@@ -15,10 +15,11 @@ from typing import Any
 
 import datasets
 
-from pipeline.stage_table import POLICY
 from pipeline.store import Store
-from schemas.config import deep_merge
 from schemas.manifest import Manifest
+from schemas.stage import POLICY
+
+REFERENCE = f"{POLICY}#reference"  # the input holding the KL's reference policy
 
 
 def turns_of(store: Store, tools_version: str) -> list[str]:
@@ -84,13 +85,24 @@ def generating_policy(store: Store, stage: str, version: str) -> str:
     return store.ancestor(stage, version, "generate-rollouts").parents[POLICY]
 
 
-def lineage_config(store: Store, stage: str, version: str) -> dict[str, Any]:
-    """The config recorded along a version's lineage, as a partial run config: each stage
-    records the fields its output depends on; the newest record of a field wins."""
-    merged: dict[str, Any] = {}
-    for manifest in reversed(store.lineage(stage, version)):
-        merged = deep_merge(merged, manifest.config)
-    return merged
+def input_of(store: Store, name: str, given: dict[str, str]) -> str | None:
+    """The version a stage reads as input `name`, when its caller did not give it: the policy of
+    the rollouts it reads ("policy": the one that generated them, its critic, its tokenizer), the
+    KL reference of that policy's lineage ("policy#reference"); None for an input that only its
+    caller can give (the previous turn of generate-rollouts)."""
+    if name in given:
+        return given[name]
+    rollouts = next(((stage, version) for stage, version in given.items() if stage.split("#")[0] != POLICY), None)
+    if name not in (POLICY, REFERENCE) or rollouts is None:
+        return None
+    policy = generating_policy(store, *rollouts)
+    return policy if name == POLICY else reference_policy(store, policy)
+
+
+def run_config(store: Store, stage: str, version: str) -> dict[str, Any]:
+    """The run config a version was made with (its manifest records it), which `mtrl stage` re-runs
+    with (then its own flags and --set)."""
+    return store.manifest(stage, version).config
 
 
 def rebuild_hint(store: Store, stage: str, version: str) -> str:

@@ -1,6 +1,6 @@
 """Where the starting policy comes from: the embedded tiny model, a local HF causal-LM directory,
-a GGUF file (converted into one), or a hub id (loading it is stages/policy.py's); and the chat
-template it is imported with."""
+a GGUF file (converted into one), or a hub id (loading it is stages/policy/loading.py's); the chat
+template it is imported with; and its import into the store, as the policy of iteration -1."""
 
 from __future__ import annotations
 
@@ -14,11 +14,15 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from pipeline.store import Store, copy_files
 from runtime.cache import cache_dir
-from runtime.hashing import file_digest, version_key
+from runtime.hashing import file_digest, file_digests, version_key
 from schemas.config import RunConfig
-from stages.policy import ModelError, load_tokenizer
-from stages.task_mix import check_tools_reach_the_model
+from schemas.stage import POLICY
+from schemas.token_stream import chat_template_hash
+from stages.policy.loading import ModelError, load_tokenizer
+from stages.registry import Tasks, check_tools_reach_the_model
+from stages.sft import DemonstrationTasks
 
 EMBEDDED_POLICY = Path(__file__).resolve().parent / "embedded" / "policy"
 # Templates mtrl ships, by the name model.chat_template gives them.
@@ -173,5 +177,36 @@ def starting_tokenizer(config: RunConfig) -> Any:
     before any work: it has a chat template and that template tells the model its tools."""
     model = resolve_model(config.model.path)
     tokenizer = load_tokenizer(model.folder, chat_template_override(config.model.chat_template))
-    check_tools_reach_the_model(tokenizer, config, str(model.source))
+    thinking = config.generation.enable_thinking
+    check_tools_reach_the_model(tokenizer, Tasks.resolve(config), thinking, str(model.source))
+    if config.sft.steps > 0:  # the warm start's tasks too
+        check_tools_reach_the_model(tokenizer, DemonstrationTasks.resolve(config), thinking, str(model.source))
     return tokenizer
+
+
+IMPORTED_CODE_VERSION = "1"  # the layout of an imported policy (a save_pretrained folder)
+
+
+def import_base_policy(store: Store, config: RunConfig) -> str:
+    """Store the starting model as the policy version of iteration -1. Its files are copied
+    into the store, so the runs dir stands alone: moved or copied to another machine it keeps
+    its lineage root. The version is the hash of the files, so the same model imported from
+    anywhere is the same version. A GGUF file is imported as the folder it converts to, and the
+    manifest names the file."""
+    model = resolve_model(config.model.path)
+    tokenizer = starting_tokenizer(config)  # fail early, before any work, on a template that hides the tools
+    digests = file_digests(model.folder)
+    identity: dict[str, Any] = {"source_files": digests}
+    if config.model.chat_template is not None:  # the same files with another template: another policy
+        identity["chat_template_sha256"] = chat_template_hash(tokenizer)
+    version = version_key(POLICY, IMPORTED_CODE_VERSION, identity, {})
+
+    def fill(tmp: Path) -> dict[str, Any]:
+        copy_files(model.folder, tmp, digests)
+        if config.model.chat_template is None:
+            return {"imported_from": str(model.source)}
+        tokenizer.save_pretrained(tmp)  # stored with the policy: every stage reads the template from there
+        return {"imported_from": str(model.source), "chat_template": config.model.chat_template}
+
+    store.write(POLICY, version, fill, {"iteration": -1, "code_version": IMPORTED_CODE_VERSION})
+    return version

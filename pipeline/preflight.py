@@ -22,20 +22,27 @@ def check_config(config: RunConfig) -> None:
     from pipeline.models import resolve_model_dir, starting_tokenizer
     from runtime.ray import RayError, check_ray_address
     from stages.compute_advantages import ESTIMATORS
-    from stages.generate_rollouts import ENGINES, check_context_budget
-    from stages.policy import ModelError
-    from stages.task_mix import check_environments, load_plugins
+    from stages.generate_rollouts import check_context_budget
+    from stages.generate_rollouts.engine import ENGINES
+    from stages.policy.loading import ModelError
+    from stages.registry import Tasks, check_tasks, load_plugins
+    from stages.sft import DemonstrationTasks, check_demonstrations, demonstrators
 
     try:
         load_plugins(config.task.plugins)
     except ImportError as exc:
         raise ConfigError(f"task.plugins: cannot import {exc.name!r}: {exc}") from None
     try:
-        check_environments(config)
+        mixes = [Tasks.resolve(config)] + ([DemonstrationTasks.resolve(config)] if config.sft.steps > 0 else [])
+        names = [name for tasks in mixes for name in tasks.names()]
+        for setting in ("options", "tools"):
+            strangers = sorted(set(getattr(config.task, setting)) - set(names))
+            if strangers:
+                raise ValueError(f"task.{setting} names {strangers}, which the run does not use (tasks: {names})")
+        for tasks in mixes:
+            check_tasks(tasks, config.tools.sandbox)
         if config.sft.steps > 0:
-            from stages.sft import check_demonstrations, demonstrators
-
-            check_demonstrations(demonstrators(config))
+            check_demonstrations(demonstrators(mixes[-1]))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if config.generation.engine not in ENGINES:

@@ -6,7 +6,7 @@
   `runner.shards` Ray tasks (tool calls are independent per row); without Ray to run on, an
   error (RunnerError), never a quiet run in this process. Generation and training stay in the
   process that holds the model (training on several nodes, ppo.nodes > 1, runs its own torchrun
-  job on the cluster at `runner.ray_address`: pipeline/launch.py). The runner changes where
+  job on the cluster at `runner.ray_address`: runtime/launch.py). The runner changes where
   a stage runs, never its version or its bytes.
 
 Which stages may run on Ray is the stage table's `distributed` (pipeline/stage_table.py).
@@ -24,17 +24,11 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-import datasets
-
-from runtime.ray import RayError, check_ray_address, import_ray, worker_environment
+from runtime.ray import RunnerError, check_ray_address, import_ray, worker_environment
 from schemas.config import RunnerConfig
-
-
-class RunnerError(RayError):
-    """The ray runner cannot run a stage (no Prefect API for its workers, a process not connected to Ray)."""
 
 
 def prefect_api_url() -> str | None:
@@ -89,29 +83,3 @@ def stage_runner(config: RunnerConfig) -> Iterator[Any | None]:
     finally:
         if temp_dir:
             shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def map_row_shards(
-    function: Callable[..., datasets.Dataset], rows: datasets.Dataset, config: RunnerConfig, *args: Any
-) -> datasets.Dataset:
-    """function(rows, *args) for a row-wise stage. With the thread runner, in this process. With
-    the ray runner, this process is the stage's Ray task: one shard runs here, more run over
-    `config.shards` contiguous row shards as Ray tasks. The result is rebuilt as one table in row
-    order, so it is the same dataset (and the same bytes on disk) either way.
-
-    Outside Ray the ray runner is an error, not a quiet run in this process."""
-    if config.kind == "thread":
-        return function(rows, *args)
-    ray = import_ray("runner 'ray'")
-    if not ray.is_initialized():
-        raise RunnerError(
-            "runner 'ray', but this process is not connected to Ray: with the ray runner a stage runs as a "
-            "Ray task, submitted by pipeline.tasks.run_stage to the runner that stage_runner starts; "
-            "runner.kind: thread runs it in this process"
-        )
-    shards = min(config.shards, len(rows))
-    if shards < 2:
-        return function(rows, *args)
-    remote = ray.remote(function)
-    parts = ray.get([remote.remote(rows.shard(shards, i, contiguous=True), *args) for i in range(shards)])
-    return datasets.Dataset.from_list([row for part in parts for row in part.to_list()], features=parts[0].features)

@@ -35,16 +35,16 @@ from typing import Any
 
 import datasets
 
-from pipeline.stage_table import POLICY, STAGES, library_versions
-from runtime.hashing import MANIFEST, digest_problems, file_digests
+from runtime.hashing import MANIFEST, digest_problems, file_digests, library_versions
 from runtime.phases import PHASES
 from schemas.manifest import Manifest, MissingVersionError, StoreError
+from schemas.stage import POLICY
 
 # datasets writes cache files (map, cast, flatten_indices, ...) next to the data a dataset was
 # loaded from, i.e. *into a finished version folder*. Our stages never need that cache.
 datasets.disable_caching()
 
-STORED = (*STAGES, POLICY)  # the folders of a runs directory
+STAGE_NAME = re.compile(r"[a-z][a-z0-9-]*")  # a stage's folder (the stages' names, and "policy")
 TMP_PREFIX = ".tmp-"
 # A writer holds its temporary folder only while it saves one finished version (seconds to
 # minutes), so a folder untouched for a day is stale whoever wrote it (a reused pid, a host
@@ -154,9 +154,17 @@ class Store:
 
     # ------------------------------------------------------------------ reading
 
+    def stages(self) -> list[str]:
+        """The stages (and "policy") this runs directory holds versions of."""
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            entry.name for entry in self.root.iterdir() if entry.is_dir() and STAGE_NAME.fullmatch(entry.name)
+        )
+
     def path(self, stage: str, version: str) -> Path:
-        if stage not in STORED:
-            raise StoreError(f"unknown stage '{stage}'; valid: {', '.join(STORED)}")
+        if not STAGE_NAME.fullmatch(stage):
+            raise StoreError(f"'{stage}' is not a stage's name (lowercase letters, digits and '-')")
         return self.root / stage / version
 
     def exists(self, stage: str, version: str) -> bool:
@@ -200,7 +208,7 @@ class Store:
     def versions(self, stage: str | None = None) -> list[Manifest]:
         """Manifests of the finished versions, oldest first."""
         manifests = []
-        for name in [stage] if stage else STORED:
+        for name in [stage] if stage else self.stages():
             folder = self.root / name
             if folder.is_dir():
                 for entry in folder.iterdir():
@@ -211,8 +219,8 @@ class Store:
     def resolve(self, reference: str) -> tuple[str, str]:
         """'stage/version' (a unique version prefix is enough) -> (stage, version)."""
         stage, _, prefix = reference.strip("/").partition("/")
-        if stage not in STORED or not prefix:
-            raise StoreError(f"'{reference}' is not STAGE/VERSION; stages: {', '.join(STORED)}")
+        if not STAGE_NAME.fullmatch(stage) or not prefix:
+            raise StoreError(f"'{reference}' is not STAGE/VERSION; stages in {self.root}: {', '.join(self.stages())}")
         folder = self.root / stage
         matches = (
             sorted(p.name for p in folder.iterdir() if p.name.startswith(prefix) and (p / MANIFEST).is_file())
@@ -315,6 +323,13 @@ class Store:
             shutil.rmtree(tmp, ignore_errors=True)  # SIGKILL skips this: clean_stale_tmp() does it later
             raise
 
+    def scratch(self, stage: str, version: str) -> Path:
+        """A new work folder beside stage's versions, for the one writing `version` (every node of a
+        cluster sees the store); the writer removes it, clean_stale_tmp when the writer died."""
+        folder = self.root / stage / tmp_folder_name(f"{version}-work")
+        folder.mkdir(parents=True)
+        return folder
+
     def prune(self, stage: str, version: str, names: list[str], reason: str) -> Manifest:
         """Delete files of a finished version that only later work needs (retention: a policy's
         AdamW state), saying so in its manifest: `pruned` records each file's size, when and why,
@@ -358,10 +373,14 @@ class Store:
         return manifest
 
     @PHASES.timed("store_writes")
-    def write_dataset(self, stage: str, version: str, dataset: datasets.Dataset, manifest: dict[str, Any]) -> Manifest:
-        expected = STAGES[stage].features
-        if dataset.features != expected:
-            raise StoreError(f"{stage}/{version}: features differ from schemas.features: {dataset.features}")
+    def write_dataset(
+        self, stage: str, version: str, dataset: datasets.Dataset, manifest: dict[str, Any], features: datasets.Features
+    ) -> Manifest:
+        """Atomically store a dataset as stage/version; its features must be the stage's (`features`)."""
+        if dataset.features != features:
+            raise StoreError(
+                f"{stage}/{version}: features differ from the stage's (schemas.features): {dataset.features}"
+            )
 
         def fill(tmp: Path) -> dict[str, Any]:
             dataset.save_to_disk(str(tmp))
@@ -389,7 +408,7 @@ class Store:
         Folders in the older naming count as this host's."""
         removed = []
         here, now = this_host(), time.time()
-        for stage in STORED:
+        for stage in self.stages():
             folder = self.root / stage
             if not folder.is_dir():
                 continue

@@ -11,6 +11,7 @@ import ast
 import functools
 import hashlib
 import json
+import platform
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,13 @@ import xxhash
 
 VERSION_CHARS = 16
 MANIFEST = "manifest.json"  # beside the files of a stored version; not among its digests
+# Libraries whose versions shape a stage's bytes, hashed into every version: transformers renders
+# chat templates and runs the model, tokenizers tokenizes, torch computes, datasets and pyarrow
+# write the rows, numpy computes advantages, safetensors stores weights. Prefect, Ray and pydantic
+# only orchestrate and validate: left out, so upgrading them keeps the cache. A manifest records
+# these and the two that wrote it (library_versions), once.
+SHAPING_LIBRARIES = ("torch", "transformers", "tokenizers", "datasets", "pyarrow", "numpy", "safetensors")
+WRITING_LIBRARIES = ("prefect", "mtrl")
 
 
 def canonical_json(value: Any) -> str:
@@ -104,3 +112,9 @@ def package_version(name: str) -> str | None:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return None
+
+
+def library_versions(names: tuple[str, ...] = SHAPING_LIBRARIES + WRITING_LIBRARIES) -> dict[str, str]:
+    """Python's version and these libraries': what a manifest records (all of them) and what a
+    version hashes (the shaping ones)."""
+    return {"python": platform.python_version(), **{n: package_version(n) or "absent" for n in names}}

@@ -1,14 +1,16 @@
 """Ray, imported and connected the same way by everything in mtrl that uses it: the ray runner of
-the tool and reward stages (pipeline/runners.py) and ppo-update on several nodes
-(pipeline/launch.py)."""
+the tool and reward stages (pipeline/runners.py), a row-wise stage split over Ray tasks
+(map_row_shards) and ppo-update on several nodes (runtime/launch.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import datasets
 
 from runtime.threads import THREAD_VARIABLES
 
@@ -31,6 +33,10 @@ def worker_environment() -> dict[str, str]:
 
 class RayError(ValueError):
     """Ray cannot run what was asked: it is not installed, or no cluster answers at the address."""
+
+
+class RunnerError(RayError):
+    """The ray runner cannot run a stage (no Prefect API for its workers, a process not connected to Ray)."""
 
 
 def import_ray(purpose: str) -> Any:
@@ -74,3 +80,29 @@ def ray_cluster(address: str | None, purpose: str) -> Iterator[Any]:
         yield ray
     finally:
         ray.shutdown()
+
+
+def map_row_shards(
+    function: Callable[..., datasets.Dataset], rows: datasets.Dataset, runner: str, shards: int, *args: Any
+) -> datasets.Dataset:
+    """function(rows, *args) for a row-wise stage. With the thread runner, in this process. With
+    the ray runner, this process is the stage's Ray task: one shard runs here, more run over
+    `shards` contiguous row shards as Ray tasks. The result is rebuilt as one table in row
+    order, so it is the same dataset (and the same bytes on disk) either way.
+
+    Outside Ray the ray runner is an error, not a quiet run in this process."""
+    if runner == "thread":
+        return function(rows, *args)
+    ray = import_ray("runner 'ray'")
+    if not ray.is_initialized():
+        raise RunnerError(
+            "runner 'ray', but this process is not connected to Ray: with the ray runner a stage runs as a "
+            "Ray task, submitted by the pipeline to the runner that pipeline.runners.stage_runner starts; "
+            "runner.kind: thread runs it in this process"
+        )
+    shards = min(shards, len(rows))
+    if shards < 2:
+        return function(rows, *args)
+    remote = ray.remote(function)
+    parts = ray.get([remote.remote(rows.shard(shards, i, contiguous=True), *args) for i in range(shards)])
+    return datasets.Dataset.from_list([row for part in parts for row in part.to_list()], features=parts[0].features)

@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from schemas.task_mix import parse_task_mix
+
 
 def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     """`top` over `base`, merging nested mappings (partial configs) key by key."""
@@ -45,21 +47,6 @@ class ModelConfig(Section):
         "Jinja file. null = the model's own; a template that renders the same prompt with and without the task's "
         "tools is refused at run start.",
     )
-
-
-def parse_task_mix(name: str) -> list[tuple[str, float]]:
-    """(environment, weight) pairs of a task mix such as 'calculator:3,weather:1'; weights default to 1."""
-    pairs = []
-    for part in name.split(","):
-        env, _, weight = part.strip().partition(":")
-        try:
-            value = float(weight) if weight else 1.0
-        except ValueError:
-            raise ValueError(f"task '{part}': the weight after ':' must be a number") from None
-        if not env or value <= 0:
-            raise ValueError(f"task '{part}': expected NAME or NAME:WEIGHT with a positive weight")
-        pairs.append((env, value))
-    return pairs
 
 
 class TaskConfig(Section):
@@ -100,23 +87,8 @@ class TaskConfig(Section):
     def _groups_divide_rollouts(self) -> TaskConfig:
         if self.rollouts % self.group_size:
             raise ValueError(f"rollouts ({self.rollouts}) must be a multiple of group_size ({self.group_size})")
-        self.mix()  # raises on a malformed mix
+        parse_task_mix(self.name)  # raises on a malformed mix
         return self
-
-    def mix(self) -> list[tuple[str, float]]:
-        """(environment, weight) pairs of `name`; weights default to 1."""
-        return parse_task_mix(self.name)
-
-    def groups_per_task(self) -> list[str]:
-        """The environment of each group: weights split the groups by largest remainder."""
-        mix, n_groups = self.mix(), self.rollouts // self.group_size
-        total = sum(weight for _, weight in mix)
-        exact = [n_groups * weight / total for _, weight in mix]
-        counts = [int(x) for x in exact]
-        by_remainder = sorted(range(len(mix)), key=lambda i: (counts[i] - exact[i], i))
-        for i in by_remainder[: n_groups - sum(counts)]:
-            counts[i] += 1
-        return [env for (env, _), count in zip(mix, counts) for _ in range(count)]
 
 
 class GenerationConfig(Section):
@@ -453,19 +425,6 @@ class SFTConfig(Section):
         return self
 
 
-# The rescore runs in float32, so logprobs generated in a lower precision differ from it by
-# rounding. Measured on the embedded policy (2 iterations x 32 rollouts, every rollout
-# re-scored): up to 0.11 in bfloat16, 0.009 in float16, under 1e-4 in float32. The defaults
-# leave about 5x headroom; a stale policy or shifted logprobs differ by whole nats.
-RESCORE_TOLERANCE = {"float32": 1e-3, "float16": 0.05, "bfloat16": 0.5}
-
-
-def rescore_tolerance(configured: float | None, generation_dtype: str) -> float:
-    """Max |stored - re-scored| logprob (the audit; a vLLM weight update's probe): the configured
-    one, else the dtype's."""
-    return configured if configured is not None else RESCORE_TOLERANCE[generation_dtype]
-
-
 class AuditConfig(Section):
     """The checks a compute-advantages version passes before ppo-update trains on it (pipeline/audit.py).
     They decide whether the update runs, not what it computes: no version hashes them."""
@@ -584,30 +543,10 @@ class RunConfig(Section):
             node[leaf] = value
         return RunConfig.model_validate(data)
 
-    def sft_task_mix(self) -> list[tuple[str, float]]:
-        """The (environment, weight) pairs the warm start's demonstrations come from: sft.task, else task.name."""
-        return parse_task_mix(self.sft.task or self.task.name)
-
-    def recomputes_old_logprobs(self) -> bool:
-        """ppo.recompute_old_logprobs with null resolved. ppo-update trains the policy that
-        generated its rollouts, so its old logprobs are the generation logprobs whenever the
-        generation forward is the training forward: the exact hf engine in float32. Another
-        engine or a low precision samples from a slightly different distribution: recompute
-        them, and truncated importance sampling corrects for the difference. (Rollouts of an older
-        policy than the one trained, max_staleness > 0, are always recomputed: pipeline/tasks.py.)"""
-        if self.ppo.recompute_old_logprobs is not None:
-            return self.ppo.recompute_old_logprobs
-        return not self.exact_generation_logprobs()
-
     def stages_overlap(self) -> bool:
         """Do two stages compute at once? With ppo.max_staleness > 0 the next iteration's batch
         generates while ppo-update trains (the thread default halves the cores then)."""
         return self.ppo.max_staleness > 0
-
-    def exact_generation_logprobs(self) -> bool:
-        """Are the stored generation logprobs the generating policy's own, as a training forward
-        pass computes them? Yes for the hf engine in float32 (within 1e-5: tests/test_ppo.py)."""
-        return self.generation.engine == "hf" and self.model.dtype == "float32"
 
     def pick(self, *paths: str, leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
         """These fields as a JSON-normalised partial config (what a stage hashes into its

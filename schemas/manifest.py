@@ -1,7 +1,7 @@
 """The manifest.json written beside every stored version (see docs/store.md).
 
-Every version records where it came from (its parents and the config its output depends
-on), what it holds and how long it took. Stages add their own fields (metrics, provenance,
+Every version records where it came from (its parents, the settings its version hashes and the
+run config it was made with), what it holds and how long it took. Stages add their own fields (metrics, provenance,
 audit results, ...): they are kept as extra fields and shown by `mtrl show`.
 """
 
@@ -32,8 +32,8 @@ class Manifest(BaseModel):
     stage: str
     version: str
     parents: dict[str, str] = Field(default_factory=dict)  # input stage -> version ("policy#reference": the KL's)
-    config: dict[str, Any] = Field(default_factory=dict)  # the config fields hashed into the version
-    derived: dict[str, Any] = Field(default_factory=dict)  # hashed values not in the config (device, code of envs)
+    settings: dict[str, Any] = Field(default_factory=dict)  # the stage's settings its version hashes
+    config: dict[str, Any] = Field(default_factory=dict)  # the run config it was made with (`mtrl stage` reuses it)
     code_version: str = ""
     created_at: str
     iteration: int | None = None

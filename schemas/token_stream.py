@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,3 +160,18 @@ def rollouts(turns: datasets.Dataset) -> list[Rollout]:
             rollout.token_ids += tokens or []  # a null list (hand-built rows) counts as empty
             spans.append((start, len(rollout.token_ids)))
     return list(by_id.values())
+
+
+def continue_streams(before: Mapping[int, list[int]], turn: datasets.Dataset) -> dict[int, list[int]]:
+    """The token streams of one turn's rollouts after that turn: each rollout's stream before it
+    (none before its first turn) + the turn's context, completion and observation tokens. Turn by
+    turn this builds what `rollouts` builds from all turns at once, reading each turn once."""
+    columns = turn.select_columns(["rollout_id", "context_token_ids", "completion_token_ids", "observation_token_ids"])
+    after = {}
+    for row in columns.to_list():
+        pieces = (row["context_token_ids"], row["completion_token_ids"], row["observation_token_ids"])
+        after[row["rollout_id"]] = [
+            *before.get(row["rollout_id"], ()),
+            *(token for piece in pieces for token in piece or ()),
+        ]
+    return after

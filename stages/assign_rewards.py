@@ -1,7 +1,8 @@
 """assign-rewards: score every finished rollout with its environment's reward, and summarise
 the iteration's rollouts (success, turns, termination, tokens: the rollout metrics).
 
-The environments themselves (tasks, steps, rewards) are stages/environments.py.
+It reads the whole iteration (every turn of its rollouts) once, from the last turn's execute-tools
+version. The environments themselves (tasks, steps, rewards) are stages/environments.py.
 """
 
 from __future__ import annotations
@@ -13,20 +14,28 @@ from typing import Any
 import datasets
 import numpy as np
 
-from schemas.config import RewardConfig
+from runtime.phases import PHASES
 from schemas.features import ASSIGN_REWARDS, StopReason
+from schemas.stage import Inputs, Output, Settings, Stage, read
 from schemas.token_stream import rollouts
 from stages.environments import Environment
+from stages.registry import Tasks
+
+
+class RewardSettings(Settings):
+    tasks: Tasks  # the environments score the rollouts
+    truncated_reward: float = read("reward.truncated_reward")
+    overlong_reward: float = read("reward.overlong_reward")
 
 
 def assign_rewards(
-    turns: datasets.Dataset, environments: dict[str, Environment], config: RewardConfig
+    turns: datasets.Dataset, environments: dict[str, Environment], settings: RewardSettings
 ) -> datasets.Dataset:
     """Score every finished rollout and put its final reward on each of its rows.
 
     Natural end: the environment's outcome reward of the final answer. Cut by the turn limit
-    or the context budget: `config.truncated_reward`. A turn that never ended (length):
-    `config.overlong_reward`. Failed (infrastructure): NaN, and the rollout stays flagged, so
+    or the context budget: `settings.truncated_reward`. A turn that never ended (length):
+    `settings.overlong_reward`. Failed (infrastructure): NaN, and the rollout stays flagged, so
     it is never mistaken for a scored 0. An environment whose reward raises fails its rollout
     the same way, with the exception's message, as one whose step raises does.
     """
@@ -45,9 +54,9 @@ def assign_rewards(
                 reward = math.nan
             final_reward[rollout.rollout_id] = reward
         elif end["stop_reason"] == StopReason.LENGTH:
-            final_reward[rollout.rollout_id] = config.overlong_reward
+            final_reward[rollout.rollout_id] = settings.overlong_reward
         elif end["stop_reason"] is not None:
-            final_reward[rollout.rollout_id] = config.truncated_reward
+            final_reward[rollout.rollout_id] = settings.truncated_reward
     unfinished = [rollout.rollout_id for rollout in ordered if rollout.rollout_id not in final_reward]
     if unfinished:
         raise ValueError(f"rollouts {unfinished[:5]} have not finished: run all their turns first")
@@ -123,3 +132,23 @@ def rollout_metrics(
 
     tasks = sorted({r["task"] for r in everything})
     return {**summary(everything), "per_task": {t: summary([r for r in everything if r["task"] == t]) for t in tasks}}
+
+
+def run(inputs: Inputs, settings: RewardSettings) -> Output:
+    """assign-rewards on the last turn's execute-tools version (it names the earlier ones)."""
+    turns = inputs.turns("execute-tools")
+    environments = settings.tasks.environments()
+    with PHASES.span("stage_compute"):  # the stage's own work, apart from reading and writing
+        dataset = assign_rewards(turns, environments, settings)
+    return Output(dataset, {"metrics": rollout_metrics(dataset, environments, settings.tasks.max_turns)})
+
+
+STAGE = Stage(
+    name="assign-rewards",
+    inputs=("execute-tools",),  # the last turn's version; it names the earlier ones
+    features=ASSIGN_REWARDS,
+    settings=RewardSettings,
+    run=run,
+    rerun_from="execute-tools",
+    distributed=True,
+)

@@ -11,7 +11,7 @@ over them. Rewards live on that axis:
 An estimator is a small pure function registered by name:
 
     @register("name", needs_values=False)
-    def name(batch: AdvantageInputs, config: AdvantageConfig) -> (advantages, returns)
+    def name(batch: AdvantageInputs, settings: AdvantageSettings) -> (advantages, returns)
 
 taking and returning one float array per rollout (aligned with its assistant tokens). Failed
 rollouts (infrastructure failures, reward NaN) are removed before any estimator runs, so they
@@ -29,10 +29,37 @@ import datasets
 import numpy as np
 import torch
 
-from schemas.config import AdvantageConfig, PPOConfig
+from runtime.passes import counting_passes
+from runtime.phases import PHASES
 from schemas.features import COMPUTE_ADVANTAGES
+from schemas.stage import POLICY, Inputs, Output, Settings, Stage, read
 from schemas.token_stream import rollouts
-from stages.policy import ValueHead, kl_estimate, load_model, load_tokenizer, score_rollouts
+from stages.policy.loading import Device, ValueHead, exact_generation_logprobs, load_model, load_tokenizer
+from stages.policy.scoring import kl_estimate, score_rollouts
+
+REFERENCE = f"{POLICY}#reference"  # the input holding the KL's reference policy
+
+
+class AdvantageSettings(Settings):
+    estimator: str = read("advantage.estimator")
+    normalize_by_std: bool = read("advantage.normalize_by_std")
+    epsilon: float = read("advantage.epsilon")
+    gamma: float = read("advantage.gamma")
+    lam: float = read("advantage.lam")
+    whiten_gae: bool = read("advantage.whiten_gae")
+    # the KL penalty against the reference policy (in the reward, or its logprobs for the loss)
+    kl_coef: float = read("ppo.kl_coef")
+    kl_estimator: str = read("ppo.kl_estimator")
+    kl_in: str = read("ppo.kl_in")
+    # the scoring passes (critic values, reference logprobs): their layout sets the numbers to ~1e-6
+    share_prefix: bool = read("ppo.share_prefix")
+    micro_batch_rollouts: int = read("ppo.micro_batch_rollouts")
+    logprob_chunk_tokens: int = read("ppo.logprob_chunk_tokens")
+    temperature: float = read("generation.temperature")
+    device: Device = read("model.device")
+    # which logprobs generation stored: the hf engine in float32 stores the policy's own
+    generation_engine: str = read("generation.engine")
+    generation_dtype: str = read("model.dtype")
 
 
 @dataclass
@@ -47,7 +74,7 @@ class AdvantageInputs:
         return np.array([r.sum() for r in self.token_rewards], dtype=np.float64)
 
 
-Estimator = Callable[[AdvantageInputs, AdvantageConfig], tuple[list[np.ndarray], list[np.ndarray]]]
+Estimator = Callable[[AdvantageInputs, AdvantageSettings], tuple[list[np.ndarray], list[np.ndarray]]]
 ESTIMATORS: dict[str, Estimator] = {}
 NEEDS_VALUES: set[str] = set()
 
@@ -113,7 +140,7 @@ def discounted_returns(rewards: np.ndarray, gamma: float) -> np.ndarray:
 
 
 @register("grpo")
-def grpo(batch: AdvantageInputs, config: AdvantageConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def grpo(batch: AdvantageInputs, settings: AdvantageSettings) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300): (score - group mean) / (group std + eps).
     normalize_by_std=False leaves out the division by the std: Dr. GRPO (Liu et al. 2025, "Understanding
     R1-Zero-Like Training: A Critical Perspective", arXiv:2503.20783).
@@ -121,14 +148,14 @@ def grpo(batch: AdvantageInputs, config: AdvantageConfig) -> tuple[list[np.ndarr
     scores = batch.scores
     size, total, std = group_stats(scores, batch.group_ids)
     advantages = np.where(size > 1, scores - total / size, scores)
-    if config.normalize_by_std:
-        advantages = np.where(size > 1, advantages / (std + config.epsilon), advantages)
+    if settings.normalize_by_std:
+        advantages = np.where(size > 1, advantages / (std + settings.epsilon), advantages)
     per_token = broadcast(advantages, batch.token_rewards)
     return per_token, per_token
 
 
 @register("rloo")
-def rloo(batch: AdvantageInputs, config: AdvantageConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def rloo(batch: AdvantageInputs, settings: AdvantageSettings) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """RLOO (Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from
     Human Feedback in LLMs", arXiv:2402.14740): score minus the mean score of the *other* samples of the group."""
     scores = batch.scores
@@ -139,28 +166,30 @@ def rloo(batch: AdvantageInputs, config: AdvantageConfig) -> tuple[list[np.ndarr
 
 
 @register("reinforce++")
-def reinforce_plus_plus(batch: AdvantageInputs, config: AdvantageConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def reinforce_plus_plus(
+    batch: AdvantageInputs, settings: AdvantageSettings
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """REINFORCE++ (Hu et al. 2025, arXiv:2501.03262): discounted return of each token, whitened over the
     whole batch."""
-    returns = [discounted_returns(r, config.gamma) for r in batch.token_rewards]
-    return whiten(returns, config.epsilon), returns
+    returns = [discounted_returns(r, settings.gamma) for r in batch.token_rewards]
+    return whiten(returns, settings.epsilon), returns
 
 
 @register("reinforce++-baseline")
 def reinforce_plus_plus_baseline(
-    batch: AdvantageInputs, config: AdvantageConfig
+    batch: AdvantageInputs, settings: AdvantageSettings
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """REINFORCE++-baseline (Hu et al. 2025, REINFORCE++, arXiv:2501.03262): the score minus its group's mean,
     then whitened over the whole batch."""
     scores = batch.scores
     size, total, _ = group_stats(scores, batch.group_ids)
     centred = np.where(size > 1, scores - total / size, scores)
-    advantages = whiten(broadcast(centred, batch.token_rewards), config.epsilon)
+    advantages = whiten(broadcast(centred, batch.token_rewards), settings.epsilon)
     return advantages, advantages
 
 
 @register("gae", needs_values=True)
-def gae(batch: AdvantageInputs, config: AdvantageConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def gae(batch: AdvantageInputs, settings: AdvantageSettings) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Generalised advantage estimation (Schulman et al. 2015, GAE, arXiv:1506.02438) over assistant tokens
     with the critic's values:
     delta_t = r_t + gamma V_{t+1} - V_t (V after the last token = 0),
@@ -171,13 +200,13 @@ def gae(batch: AdvantageInputs, config: AdvantageConfig) -> tuple[list[np.ndarra
         adv = np.zeros(len(rewards), dtype=np.float64)
         running, next_value = 0.0, 0.0
         for t in range(len(rewards) - 1, -1, -1):
-            delta = rewards[t] + config.gamma * next_value - values[t]
-            running = delta + config.gamma * config.lam * running
+            delta = rewards[t] + settings.gamma * next_value - values[t]
+            running = delta + settings.gamma * settings.lam * running
             adv[t], next_value = running, values[t]
         advantages.append(adv)
         returns.append(adv + values)
-    if config.whiten_gae:
-        advantages = whiten(advantages, config.epsilon)
+    if settings.whiten_gae:
+        advantages = whiten(advantages, settings.epsilon)
     return advantages, returns
 
 
@@ -188,7 +217,7 @@ def gae(batch: AdvantageInputs, config: AdvantageConfig) -> tuple[list[np.ndarra
 
 def compute_advantages(
     turns: datasets.Dataset,
-    config: AdvantageConfig,
+    settings: AdvantageSettings,
     *,
     values: list[list[float]] | None = None,
     kl_penalty: list[list[float]] | None = None,
@@ -200,7 +229,7 @@ def compute_advantages(
     rewards) are row-aligned with `turns`; score_with_policies computes them with the policy
     and the reference model before this pure function runs.
     """
-    estimator = get_estimator(config.estimator)
+    estimator = get_estimator(settings.estimator)
     columns = turns.select_columns(["group_id", "reward", "turn_reward", "failed", "completion_token_ids"]).to_dict()
     lengths = [len(tokens) for tokens in columns["completion_token_ids"]]
     by_rollout = {rollout.rollout_id: rollout.rows for rollout in rollouts(turns)}  # rows in turn order
@@ -230,7 +259,7 @@ def compute_advantages(
         group_ids=np.array([columns["group_id"][by_rollout[r][0]] for r in valid]),
         values=rollout_values if values is not None else None,
     )
-    advantages, returns = estimator(batch, config) if valid else ([], [])
+    advantages, returns = estimator(batch, settings) if valid else ([], [])
 
     # Split each rollout's arrays back into its turns.
     row_advantages: list[list[float]] = [[0.0] * n for n in lengths]
@@ -269,33 +298,31 @@ def kl_penalty(
 
 def score_with_policies(
     turns: datasets.Dataset,
+    settings: AdvantageSettings,
     *,
     critic_dir: str | Path | None,
     reference_dir: str | Path | None,
-    ppo: PPOConfig,
-    temperature: float,
-    device: str,
     reference_generated: bool = False,
 ) -> dict[str, Any]:
     """The keyword inputs of compute_advantages: the critic's values (from the value head saved
     beside the generating policy, `critic_dir`) and the reference policy's logprobs, with the KL
-    penalty when it goes into the reward. None where the config does not use them.
+    penalty when it goes into the reward. None where the settings do not use them.
     `reference_generated`: the reference policy generated these rollouts and their stored
-    logprobs are exact (the first iteration, RunConfig.exact_generation_logprobs): they are its
-    logprobs, and its forward pass is skipped."""
+    logprobs are exact (the first iteration, exact_generation_logprobs): they are its logprobs,
+    and its forward pass is skipped."""
 
     def score(policy_dir: str | Path, with_value_head: bool) -> tuple[list[list[float]], list[list[float]]]:
         """The values (with the value head) or the reference logprobs."""
-        model = load_model(policy_dir, "float32", device)
+        model = load_model(policy_dir, "float32", settings.device)
         return score_rollouts(
             model,
             turns,
-            temperature=temperature,
+            temperature=settings.temperature,
             pad_token_id=load_tokenizer(str(policy_dir)).pad_token_id,
-            chunk_tokens=ppo.logprob_chunk_tokens,
-            batch_rollouts=ppo.micro_batch_rollouts,
+            chunk_tokens=settings.logprob_chunk_tokens,
+            batch_rollouts=settings.micro_batch_rollouts,
             value_head=ValueHead.load(policy_dir, model.config.hidden_size) if with_value_head else None,
-            share_prefix=ppo.share_prefix,
+            share_prefix=settings.share_prefix,
             kind="values" if with_value_head else "reference",
         )
 
@@ -306,8 +333,8 @@ def score_with_policies(
     elif reference_dir is not None:
         ref_logprobs = score(reference_dir, with_value_head=False)[0]
     penalty = None
-    if ref_logprobs is not None and ppo.kl_in == "reward":
-        penalty = kl_penalty(turns["completion_logprobs"], ref_logprobs, ppo.kl_coef, ppo.kl_estimator)
+    if ref_logprobs is not None and settings.kl_in == "reward":
+        penalty = kl_penalty(turns["completion_logprobs"], ref_logprobs, settings.kl_coef, settings.kl_estimator)
     return {"values": values, "ref_logprobs": ref_logprobs, "kl_penalty": penalty}
 
 
@@ -318,3 +345,52 @@ def advantage_metrics(turns: datasets.Dataset) -> dict[str, float]:
         "advantage_mean": float(per_token.mean()) if per_token.size else 0.0,
         "advantage_abs_mean": float(np.abs(per_token).mean()) if per_token.size else 0.0,
     }
+
+
+def needed_inputs(settings: AdvantageSettings) -> tuple[str, ...]:
+    """The rewarded rollouts; the generating policy's critic for an estimator that needs values;
+    the reference policy for a KL penalty."""
+    critic = (POLICY,) if settings.estimator in NEEDS_VALUES else ()
+    reference = (REFERENCE,) if settings.kl_coef > 0 else ()
+    return ("assign-rewards", *critic, *reference)
+
+
+def run(inputs: Inputs, settings: AdvantageSettings) -> Output:
+    """compute-advantages on an assign-rewards version (with the critic and reference inputs its
+    settings need)."""
+    turns = inputs.load("assign-rewards")
+    reference = inputs.parents.get(REFERENCE)
+    # The first iteration's rollouts come from the reference policy itself: with exact generation
+    # logprobs those are its logprobs, and no pass is needed.
+    reference_generated = reference == inputs.generating_policy("assign-rewards").version and (
+        exact_generation_logprobs(settings.generation_engine, settings.generation_dtype)
+    )
+    with counting_passes() as passes, PHASES.span("stage_compute"):
+        scored = score_with_policies(
+            turns,
+            settings,
+            critic_dir=inputs.folder(POLICY) if POLICY in inputs.parents else None,
+            reference_dir=inputs.folder(REFERENCE) if reference else None,
+            reference_generated=reference_generated,
+        )
+        dataset = compute_advantages(turns, settings, **scored)
+    # passes: the reference and value passes; one is absent where no setting needs it (no KL term,
+    # no critic, the first iteration's exact generation logprobs)
+    return Output(
+        dataset,
+        {
+            "metrics": advantage_metrics(dataset),
+            "reference_logprobs": None if reference is None else "generation" if reference_generated else "scored",
+            "passes": passes,
+        },
+    )
+
+
+STAGE = Stage(
+    name="compute-advantages",
+    inputs=needed_inputs,
+    features=COMPUTE_ADVANTAGES,
+    settings=AdvantageSettings,
+    run=run,
+    rerun_from="assign-rewards",
+)

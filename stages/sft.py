@@ -9,7 +9,7 @@ sample (`schemas.token_stream.assistant_token_ids`, ending with EOS), then the o
 delta tokens and the next generation prompt. The model is trained on exactly the layout it
 generates in, whatever its chat template does with earlier turns, and the loss covers the
 assistant tokens only: the negative log-likelihood, scored through the path PPO uses
-(`stages.policy.forward_targets`, at temperature 1).
+(`stages.policy.scoring.forward_targets`, at temperature 1).
 
 The optimiser is a fresh AdamW and its state is not stored: RL starts a fresh one from the
 result, as from an imported model.
@@ -25,20 +25,17 @@ from typing import Any
 
 import torch
 
-from schemas.config import RunConfig, SFTConfig
+from runtime.memory import peak_memory
+from runtime.phases import PHASES
+from schemas.features import SFT, dataset_from_rows
+from schemas.stage import POLICY, Inputs, Output, Settings, Stage, read
+from schemas.task_mix import parse_task_mix
 from schemas.token_stream import assistant_token_ids, generation_prompt_ids, observation_token_ids, prompt_token_ids
 from stages.environments import Environment
-from stages.policy import (
-    RolloutSequence,
-    collate,
-    forward_targets,
-    load_model,
-    load_tokenizer,
-    micro_batches,
-    shares_prefix,
-    training_memory,
-)
-from stages.registry import environment, registered_tools, tool_schemas
+from stages.policy.batching import RolloutSequence, collate, micro_batches, shares_prefix, training_memory
+from stages.policy.loading import Device, load_model, load_tokenizer
+from stages.policy.scoring import forward_targets
+from stages.registry import Tasks, tool_schemas
 
 LOGPROB_CHUNK_TOKENS = 1024  # tokens per chunk of the vocabulary projection: bounds memory, not the result
 Conversation = tuple[list[dict[str, Any]], list[dict[str, Any]]]  # (messages, tool schemas)
@@ -47,11 +44,30 @@ Conversation = tuple[list[dict[str, Any]], list[dict[str, Any]]]  # (messages, t
 Demonstrator = tuple[Environment, list[dict[str, Any]], float]  # an environment, its prompts' tool schemas, a weight
 
 
-def demonstrators(config: RunConfig) -> list[Demonstrator]:
-    """The environments of the warm start's task mix (sft.task, else task.name), as the run sets
-    them up (task.options, task.tools), with the tool schemas their prompts show and their weights."""
-    tools = registered_tools(config)
-    mix = [(environment(config, name), weight) for name, weight in config.sft_task_mix()]
+class DemonstrationTasks(Tasks):
+    mix: str = read("sft.task", "task.name")  # the warm start's task mix may differ from RL's
+
+
+class SFTSettings(Settings):
+    tasks: DemonstrationTasks  # what the demonstrations are of, and the code that writes them
+    steps: int = read("sft.steps")
+    batch_size: int = read("sft.batch_size")
+    learning_rate: float = read("sft.learning_rate")
+    warmup_steps: int = read("sft.warmup_steps")
+    max_grad_norm: float = read("sft.max_grad_norm")
+    gradient_checkpointing: bool | None = read("sft.gradient_checkpointing")  # null: the memory rule
+    max_tokens_per_micro_batch: int | None = read("sft.max_tokens_per_micro_batch")  # null: the memory rule
+    share_prefix: bool = read("sft.share_prefix")
+    seed: int = read("seed")
+    enable_thinking: bool = read("generation.enable_thinking")  # it shapes the demonstrations' tokens
+    device: Device = read("model.device")
+
+
+def demonstrators(tasks: Tasks) -> list[Demonstrator]:
+    """The environments of the warm start's task mix, as the run sets them up (task.options,
+    task.tools), with the tool schemas their prompts show and their weights."""
+    tools = tasks.tools()
+    mix = [(tasks.environment(name), weight) for name, weight in parse_task_mix(tasks.mix)]
     return [(found, tool_schemas(found, tools), weight) for found, weight in mix]
 
 
@@ -132,38 +148,35 @@ def accumulate_gradients(
 def train_on_demonstrations(
     model: torch.nn.Module,
     tokenizer: Any,
-    *,
-    config: SFTConfig,
+    settings: SFTSettings,
     tasks: list[Demonstrator],
-    seed: int,
-    enable_thinking: bool,
     report_progress: Callable[[float], None] | None = None,
 ) -> list[dict[str, float]]:
-    """Optimise `model` in place for config.steps AdamW steps, each on config.batch_size fresh
+    """Optimise `model` in place for settings.steps AdamW steps, each on settings.batch_size fresh
     demonstrations (seeded: the same seed trains on the same ones); the loss is the mean
     negative log-likelihood of their assistant tokens, its gradient accumulated over passes of at
-    most config.max_tokens_per_micro_batch tokens (0 or null: one padded pass). Returns one
+    most settings.max_tokens_per_micro_batch tokens (0 or null: one padded pass). Returns one
     metrics dict per step."""
-    torch.manual_seed(seed)
-    rng = random.Random(f"sft/{seed}")  # apart from the RL iterations' task seeds ("tasks/...")
+    torch.manual_seed(settings.seed)
+    rng = random.Random(f"sft/{settings.seed}")  # apart from the RL iterations' task seeds ("tasks/...")
     parameters = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=0.0)
-    if config.gradient_checkpointing:
+    optimizer = torch.optim.AdamW(parameters, lr=settings.learning_rate, weight_decay=0.0)
+    if settings.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     metrics: list[dict[str, float]] = []
-    for step in range(config.steps):
-        learning_rate = config.learning_rate * min(1.0, (step + 1) / (config.warmup_steps + 1))
+    for step in range(settings.steps):
+        learning_rate = settings.learning_rate * min(1.0, (step + 1) / (settings.warmup_steps + 1))
         optimizer.param_groups[0]["lr"] = learning_rate
         sequences = [
-            demonstration_sequence(tokenizer, messages, tools, enable_thinking)
-            for messages, tools in sample_demonstrations(tasks, rng, config.batch_size)
+            demonstration_sequence(tokenizer, messages, tools, settings.enable_thinking)
+            for messages, tools in sample_demonstrations(tasks, rng, settings.batch_size)
         ]
         optimizer.zero_grad(set_to_none=True)
         loss = accumulate_gradients(
-            model, sequences, tokenizer.pad_token_id, config.max_tokens_per_micro_batch or 0, config.share_prefix
+            model, sequences, tokenizer.pad_token_id, settings.max_tokens_per_micro_batch or 0, settings.share_prefix
         )
-        norm = torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(parameters, settings.max_grad_norm)
         optimizer.step()
         metrics.append(
             {
@@ -176,9 +189,9 @@ def train_on_demonstrations(
             }
         )
         if report_progress is not None:
-            report_progress((step + 1) / config.steps)
+            report_progress((step + 1) / settings.steps)
     optimizer.zero_grad(set_to_none=True)
-    if config.gradient_checkpointing:
+    if settings.gradient_checkpointing:
         model.gradient_checkpointing_disable()
     model.eval()
     return metrics
@@ -209,26 +222,39 @@ class FineTunedPolicy:
 
 
 def supervised_fine_tune(
-    policy_dir: str | Path,
-    *,
-    config: SFTConfig,
-    tasks: list[Demonstrator],
-    seed: int,
-    enable_thinking: bool,
-    device: str,
-    report_progress: Callable[[float], None] | None = None,
+    policy_dir: str | Path, settings: SFTSettings, report_progress: Callable[[float], None] | None = None
 ) -> FineTunedPolicy:
-    """sft: load the policy (float32), train it on demonstrations of `tasks` (demonstrators), and
-    return it ready to save as a new policy."""
-    model, tokenizer = load_model(policy_dir, "float32", device), load_tokenizer(str(policy_dir))
-    config = training_memory(config, policy_dir, device)  # null memory fields: as ppo-update chooses
-    metrics = train_on_demonstrations(
-        model,
-        tokenizer,
-        config=config,
-        tasks=tasks,
-        seed=seed,
-        enable_thinking=enable_thinking,
-        report_progress=report_progress,
-    )
+    """sft: load the policy (float32), train it on demonstrations of the settings' tasks, and return
+    it ready to save as a new policy."""
+    model, tokenizer = load_model(policy_dir, "float32", settings.device), load_tokenizer(str(policy_dir))
+    settings = training_memory(settings, policy_dir, settings.device)  # null memory fields: as ppo-update's
+    tasks = demonstrators(settings.tasks)
+    metrics = train_on_demonstrations(model, tokenizer, settings, tasks, report_progress)
     return FineTunedPolicy(model, tokenizer, metrics)
+
+
+def run(inputs: Inputs, settings: SFTSettings, report_progress: Callable[[float], None] | None = None) -> Output:
+    """The warm start: fine-tune the starting policy (input "policy") on demonstrations; its result
+    is a policy of iteration -1 (RL's iteration 0 trains it), with the per-step metrics."""
+    policy_dir = inputs.folder(POLICY)  # its files checked once, here
+    chosen = training_memory(settings, policy_dir, settings.device)
+    with peak_memory() as memory, PHASES.span("stage_compute"):
+        trained = supervised_fine_tune(policy_dir, settings, report_progress)
+    fields = {
+        "iteration": -1,
+        "metrics": metrics_summary(trained.metrics),
+        "memory": memory,
+        # what gradient_checkpointing / max_tokens_per_micro_batch were (null: chosen by the model's size)
+        "memory_settings": chosen.model_dump(include={"gradient_checkpointing", "max_tokens_per_micro_batch"}),
+    }
+    return Output(dataset_from_rows(trained.metrics, SFT), fields, save_policy=trained.save)
+
+
+STAGE = Stage(
+    name="sft",
+    inputs=(POLICY,),  # the imported starting policy
+    features=SFT,
+    settings=SFTSettings,
+    run=run,
+    writes_policy=True,
+)

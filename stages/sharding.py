@@ -118,7 +118,7 @@ def init_ranks(timeout_s: float) -> Ranks:
 
 
 def shard_model(scorer: torch.nn.Module) -> None:
-    """FSDP2 in place on a stages.policy.Scorer: each decoder layer is one unit (its weights are
+    """FSDP2 in place on a stages.policy.scoring.Scorer: each decoder layer is one unit (its weights are
     gathered while it runs, then freed), the rest (embeddings, final norm, output projection)
     the root unit, gathered by the Scorer's forward. Gradients are reduced by a plain sum:
     the loss shares are already normalised by the global mini-batch, so FSDP's default

@@ -4,7 +4,7 @@ A tool is a typed Python function with a Google-style docstring; the JSON schema
 sees is derived from its signature and docstring (`transformers.utils.get_json_schema`). A
 parameter named `task` is not shown to the model: execute-tools passes the rollout's task
 (its hidden state, e.g. the number to guess) into it. Generation renders the schemas into the
-prompt (stages/task_mix.py); execute-tools runs the calls (stages/execute_tools/).
+prompt (stages/generate_rollouts: rollout_starts); execute-tools runs the calls (stages/execute_tools/).
 
 Tools run in a separate, killable worker process by default (stages/execute_tools/calls.py),
 which loads a tool's module from its file: keep tool modules light (this one imports only the

@@ -70,7 +70,7 @@ def prefect_server(prefect_server_env):
 def tiny():
     """The embedded policy: (model, tokenizer), fp32 on CPU."""
     from pipeline.models import EMBEDDED_POLICY
-    from stages.policy import load_model, load_tokenizer
+    from stages.policy.loading import load_model, load_tokenizer
 
     return load_model(EMBEDDED_POLICY, "float32", "cpu"), load_tokenizer(EMBEDDED_POLICY)
 

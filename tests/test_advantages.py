@@ -176,7 +176,7 @@ def test_the_first_iterations_reference_logprobs_are_its_exact_generation_logpro
     from schemas.config import PPOConfig, RunConfig
     from stages.compute_advantages import score_with_policies
     from stages.generate_rollouts.hf import HFEngine
-    from stages.policy import eos_token_ids
+    from stages.policy.loading import eos_token_ids
 
     model, tokenizer = tiny
     config = RunConfig(task={"rollouts": 8, "group_size": 4, "max_turns": 2}, generation={"max_new_tokens": 48})

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("prefect_server")
 def run(tmp_path_factory):
     from pipeline.flows import rl_training
     from schemas.config import RunConfig
-    from stages.policy import load_tokenizer
+    from stages.policy.loading import load_tokenizer
 
     config = RunConfig(
         iterations=1,

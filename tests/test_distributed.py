@@ -30,7 +30,7 @@ from pipeline.launch import TrainingProcessError
 from pipeline.stage_table import POLICY
 from pipeline.store import Store
 from schemas.config import RunConfig
-from stages.policy import ValueHead, load_model
+from stages.policy.loading import ValueHead, load_model
 from stages.ppo_update.checkpoint import OPTIMIZER_FILE
 
 # Measured here (torch 2.13 CPU, 2 ranks): weights differ by at most 2.9e-6 after 2 epochs at lr 1e-4

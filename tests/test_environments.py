@@ -17,7 +17,7 @@ from stages.assign_rewards import assign_rewards, rollout_metrics
 from stages.environments import ENVIRONMENTS, CalculatorEnv, GuessNumberEnv, WeatherEnv
 from stages.execute_tools.calls import ToolCall, run_tool_calls
 from stages.generate_rollouts.hf import HFEngine
-from stages.policy import eos_token_ids
+from stages.policy.loading import eos_token_ids
 from stages.registry import run_environments
 from stages.task_mix import rollout_starts
 from stages.tools import TOOLS, tool_schema

@@ -13,7 +13,7 @@ from schemas.config import RunConfig
 from stages.generate_rollouts import sampling_seed, split_thinking
 from stages.generate_rollouts.engine import Request, Sampling
 from stages.generate_rollouts.hf import HFEngine, filter_logits
-from stages.policy import eos_token_ids
+from stages.policy.loading import eos_token_ids
 
 
 class ColdEngine(HFEngine):

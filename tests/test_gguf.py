@@ -23,7 +23,7 @@ from pipeline.store import Store
 from pipeline.tasks import import_base_policy
 from runtime.hashing import file_digests
 from schemas.config import RunConfig
-from stages.policy import ModelError, load_model, load_tokenizer
+from stages.policy.loading import ModelError, load_model, load_tokenizer
 
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a")]
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -89,7 +89,7 @@ def test_an_mcp_environments_tools_run_inside_its_episode():
         "failed": False,
     }
     from pipeline.models import EMBEDDED_POLICY
-    from stages.policy import load_tokenizer
+    from stages.policy.loading import load_tokenizer
 
     config = RunConfig(task={"name": CALC, "options": {CALC: IN_PROCESS[CALC]}})
     turn = execute_tools(

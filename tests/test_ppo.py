@@ -9,26 +9,22 @@ import pytest
 import torch
 
 from pipeline.evaluate import run_episodes
+from runtime.passes import counting_passes
 from schemas.config import PPOConfig, RunConfig
 from schemas.features import COMPUTE_ADVANTAGES
 from stages.generate_rollouts.hf import HFEngine
-from stages.policy import (
+from stages.policy.batching import (
     RolloutSequence,
-    ValueHead,
     collate,
     common_prefix_length,
     computed_tokens,
-    counting_passes,
-    eos_token_ids,
-    forward_targets,
-    kl_estimate,
     micro_batches,
     prefix_units,
     rollout_sequences,
-    score_rollouts,
     shares_prefix,
-    token_logprobs,
 )
+from stages.policy.loading import ValueHead, eos_token_ids
+from stages.policy.scoring import forward_targets, kl_estimate, score_rollouts, token_logprobs
 from stages.ppo_update import (
     aggregate,
     build_optimizer,
@@ -419,7 +415,7 @@ def test_saved_optimizer_state_continues_adam_exactly_across_iterations(tiny, ro
 
 
 def test_memory_settings_follow_the_model_size_unless_set():
-    from stages.policy import LARGE_MODEL_TOKENS_PER_MICRO_BATCH, memory_settings
+    from stages.policy.batching import LARGE_MODEL_TOKENS_PER_MICRO_BATCH, memory_settings
 
     unset = PPOConfig()
     small, large = memory_settings(unset, large=False), memory_settings(unset, large=True)
@@ -438,7 +434,8 @@ def test_the_size_rule_counts_the_saved_models_parameters(tiny):
     """One count for ppo-update and sft: the safetensors headers of the saved policy, equal to the
     loaded model's parameters (no weights are loaded to count them)."""
     from pipeline.models import EMBEDDED_POLICY
-    from stages.policy import LARGE_MODEL_PARAMETERS, large_model, load_model, parameter_count
+    from stages.policy.batching import LARGE_MODEL_PARAMETERS, large_model
+    from stages.policy.loading import load_model, parameter_count
 
     count = parameter_count(EMBEDDED_POLICY)
     assert count == sum(p.numel() for p in load_model(EMBEDDED_POLICY, "float32", "cpu").parameters())

@@ -14,7 +14,9 @@ from pipeline.models import EMBEDDED_POLICY
 from schemas.config import RunConfig, SFTConfig
 from schemas.token_stream import rollouts
 from stages.environments import ENVIRONMENTS, CalculatorEnv, Environment
-from stages.policy import collate, forward_targets, load_model, load_tokenizer, micro_batches
+from stages.policy.batching import collate, micro_batches
+from stages.policy.loading import load_model, load_tokenizer
+from stages.policy.scoring import forward_targets
 from stages.registry import tool_schemas
 from stages.sft import (
     accumulate_gradients,
@@ -85,7 +87,7 @@ def test_greedy_rollouts_of_the_calculator_expert_are_its_demonstrations_token_f
     from pipeline.embedded.build import EXPERT_DIR
     from pipeline.evaluate import run_episodes
     from stages.generate_rollouts.hf import HFEngine
-    from stages.policy import eos_token_ids
+    from stages.policy.loading import eos_token_ids
 
     model, tokenizer = load_model(EXPERT_DIR, "float32", "cpu"), load_tokenizer(EXPERT_DIR)
     engine = HFEngine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode)

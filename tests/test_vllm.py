@@ -27,7 +27,8 @@ from schemas.token_stream import prompt_token_ids, rollouts
 from stages.generate_rollouts import sampling_seed
 from stages.generate_rollouts.engine import Request, Sampling, open_engine
 from stages.generate_rollouts.vllm_engine import served_checkpoint
-from stages.policy import load_model, score_rollouts
+from stages.policy.loading import load_model
+from stages.policy.scoring import score_rollouts
 
 pytestmark = pytest.mark.slow
 TOLERANCE = 1e-3  # stored vs HF fp32 recompute (measured here: ~3e-5)

@@ -30,7 +30,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFas
 
 from pipeline.models import SHIPPED_TEMPLATES
 from stages.environments import ENVIRONMENTS, CalculatorEnv
-from stages.registry import run_environments, tool_schemas
+from stages.registry import Tasks, tool_schemas
 from stages.tools import TOOLS, calculate
 
 HERE = Path(__file__).resolve().parent
@@ -169,7 +169,7 @@ def evaluate(
     from schemas.config import RunConfig
     from stages.assign_rewards import rollout_metrics
     from stages.generate_rollouts.hf import HFEngine
-    from stages.policy import eos_token_ids
+    from stages.policy.loading import eos_token_ids
 
     engine = HFEngine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode)
     results: dict[str, float] = {}
@@ -181,7 +181,7 @@ def evaluate(
             generation={"temperature": temperature},
         )
         turns = run_episodes(engine, tokenizer, config)
-        metrics = rollout_metrics(turns, run_environments(config), config.task.max_turns)
+        metrics = rollout_metrics(turns, Tasks.resolve(config).environments(), config.task.max_turns)
         prefix = "" if task == "calculator" else f"{task}/"
         results[f"{prefix}success_rate"] = metrics["success_rate"]
         if task == "calculator":

@@ -12,7 +12,7 @@ and tools.mcp_servers names MCP tool servers whose tools become tools (mcp.py).
 Each adapter module is imported only when a task needs it, by name: the packages are an optional
 extra (`pip install 'mtrl[ecosystem]'`), `mtrl ls` stays light, and a stage's version hashes an
 adapter's code only where a task uses it (through the task's environment code version,
-stages/task_mix.py), never in a run of mtrl's own tasks.
+stages/registry.py: Tasks.code), never in a run of mtrl's own tasks.
 """
 
 from __future__ import annotations

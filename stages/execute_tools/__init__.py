@@ -1,8 +1,10 @@
 """execute-tools: parse the tool calls of each assistant turn, run them, and append
 the tool/environment observation to the rollout as exact chat-template delta tokens.
 
-Reads one generate-rollouts round; writes one row per rollout turn with everything known
-about that turn (generation columns + tool calls + observation + termination).
+Reads one generate-rollouts round (and the tokenizer of the policy that generated it); writes one
+row per rollout turn with everything known about that turn (generation columns + tool calls +
+observation + termination). Its rows are independent: with the ray runner they run as Ray tasks
+over runner.shards shards.
 
     calls.py   parse_tool_calls, argument validation, run_tool_calls (killable processes)
     worker.py  the sandbox worker process that runs a tool call
@@ -18,8 +20,10 @@ from typing import Any
 
 import datasets
 
-from schemas.config import GenerationConfig, RunConfig, TaskConfig, ToolsConfig
+from runtime.phases import PHASES
+from runtime.ray import map_row_shards
 from schemas.features import EXECUTE_TOOLS, FinishReason, StopReason, dataset_from_rows
+from schemas.stage import POLICY, Inputs, Output, Settings, Stage, read
 from schemas.token_stream import generation_prompt_ids, observation_token_ids
 from stages.execute_tools.calls import (
     FAILURE_KINDS,
@@ -29,12 +33,22 @@ from stages.execute_tools.calls import (
     rejected_call,
     run_tool_calls,
 )
-from stages.registry import registered_tools, run_environments
+from stages.policy.loading import load_tokenizer
+from stages.registry import Tasks
 from stages.tools import truncate
 
-# ---------------------------------------------------------------------------------------
-# The stage
-# ---------------------------------------------------------------------------------------
+
+class ExecuteSettings(Settings):
+    tasks: Tasks  # the environments step the rollouts, their tools answer the calls
+    timeout_s: float = read("tools.timeout_s")
+    max_output_chars: int = read("tools.max_output_chars")
+    sandbox: bool = read("tools.sandbox")
+    memory_mb: int = read("tools.memory_mb")
+    max_context_tokens: int = read("generation.max_context_tokens")
+    enable_thinking: bool = read("generation.enable_thinking")
+    max_workers: int = read("runner.max_workers", placement=True)  # rollouts whose calls run at once
+    runner: str = read("runner.kind", placement=True)
+    shards: int = read("runner.shards", placement=True)
 
 
 def _step_turn(
@@ -42,9 +56,7 @@ def _step_turn(
     environment: Any,
     tools: dict[str, Callable[..., Any]],
     tokenizer: Any,
-    task_config: TaskConfig,
-    tools_config: ToolsConfig,
-    generation_config: GenerationConfig,
+    settings: ExecuteSettings,
 ) -> dict[str, Any]:
     """Tools, observation and termination of one rollout turn (never raises)."""
     out: dict[str, Any] = {
@@ -65,7 +77,7 @@ def _step_turn(
     if row["finish_reason"] == FinishReason.LENGTH:  # cut mid-answer: nothing to execute
         used = row["stream_offset"] + len(row["context_token_ids"]) + len(row["completion_token_ids"])
         # cut by the context budget (it left less than max_new_tokens), or by max_new_tokens
-        full = used >= generation_config.max_context_tokens
+        full = used >= settings.max_context_tokens
         return {**out, "truncated": True, "stop_reason": StopReason.CONTEXT_OVERFLOW if full else StopReason.LENGTH}
     task = json.loads(row["task_payload"])
     calls = parse_tool_calls(row["content"])
@@ -77,11 +89,11 @@ def _step_turn(
         results = run_tool_calls(
             calls,
             own_tools,
-            tools_config.timeout_s,
-            tools_config.max_output_chars,
+            settings.timeout_s,
+            settings.max_output_chars,
             task=task,
-            sandbox=tools_config.sandbox,
-            memory_mb=tools_config.memory_mb,
+            sandbox=settings.sandbox,
+            memory_mb=settings.memory_mb,
         )
     failure = None
     try:
@@ -97,7 +109,7 @@ def _step_turn(
             json.loads(row["env_state"]),
         )
         if environment.runs_tool_calls:
-            results = episode_results(calls, results, step.tool_results, tools_config.max_output_chars)
+            results = episode_results(calls, results, step.tool_results, settings.max_output_chars)
         next_env_state = row["env_state"] if step.state is None else json.dumps(step.state, sort_keys=True)
         observation = observation_token_ids(tokenizer, step.observation) if not step.done else []
     except Exception as exc:  # an environment bug fails this rollout, visibly, not the run
@@ -111,13 +123,13 @@ def _step_turn(
     out.update(turn_reward=float(step.reward), next_env_state=next_env_state)
     if step.done:
         return {**out, "terminated": True, "stop_reason": StopReason.DONE}
-    if row["turn"] + 1 >= environment.turn_limit(task_config.max_turns):
+    if row["turn"] + 1 >= environment.turn_limit(settings.tasks.max_turns):
         return {**out, "truncated": True, "stop_reason": StopReason.MAX_TURNS}
     if row["finish_reason"] == FinishReason.STOP_STRING:  # the turn was cut at a stop string: close it
         observation = [tokenizer.eos_token_id, *observation]
-    next_prompt = generation_prompt_ids(tokenizer, generation_config.enable_thinking)
+    next_prompt = generation_prompt_ids(tokenizer, settings.enable_thinking)
     used = row["stream_offset"] + len(row["context_token_ids"]) + len(row["completion_token_ids"])
-    if used + len(observation) + len(next_prompt) >= generation_config.max_context_tokens:
+    if used + len(observation) + len(next_prompt) >= settings.max_context_tokens:
         return {**out, "truncated": True, "stop_reason": StopReason.CONTEXT_OVERFLOW}
     out["observation_token_ids"] = observation
     out["observation"] = tokenizer.decode(observation)
@@ -167,38 +179,27 @@ def execute_tools(
     tokenizer: Any,
     environments: dict[str, Any],
     tools: dict[str, Callable[..., Any]],
-    *,
-    task_config: TaskConfig,
-    tools_config: ToolsConfig,
-    generation_config: GenerationConfig,
-    max_workers: int = 8,
+    settings: ExecuteSettings,
 ) -> datasets.Dataset:
     """Run the tool calls of one generate-rollouts round and decide which rollouts go on."""
     rows = list(turns)
-    with ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="mtrl-turn") as pool:
+    with ThreadPoolExecutor(max_workers=settings.max_workers, thread_name_prefix="mtrl-turn") as pool:
         outputs = list(
-            pool.map(
-                lambda row: _step_turn(
-                    row, environments[row["task"]], tools, tokenizer, task_config, tools_config, generation_config
-                ),
-                rows,
-            )
+            pool.map(lambda row: _step_turn(row, environments[row["task"]], tools, tokenizer, settings), rows)
         )
     return dataset_from_rows([{**row, **out} for row, out in zip(rows, outputs)], EXECUTE_TOOLS)
 
 
-def execute_turn(turns: datasets.Dataset, tokenizer: Any, config: RunConfig) -> datasets.Dataset:
-    """execute-tools for one turn, with the run's environments and tools and the run config."""
-    return execute_tools(
-        turns,
-        tokenizer,
-        run_environments(config),
-        registered_tools(config),
-        task_config=config.task,
-        tools_config=config.tools,
-        generation_config=config.generation,
-        max_workers=config.runner.max_workers,
-    )
+def execute_turn(turns: datasets.Dataset, tokenizer: Any, settings: ExecuteSettings) -> datasets.Dataset:
+    """execute-tools on some of a turn's rows (all of them, or one Ray shard), with its
+    environments and tools."""
+    with PHASES.span("stage_compute"):  # the stage's own work, apart from reading and writing
+        return execute_tools(turns, tokenizer, settings.tasks.environments(), settings.tasks.tools(), settings)
+
+
+def execute_shard(turns: datasets.Dataset, policy_dir: str, settings: ExecuteSettings) -> datasets.Dataset:
+    """execute_turn where its rows run (this process, or a Ray worker): the policy's tokenizer by path."""
+    return execute_turn(turns, load_tokenizer(policy_dir), settings)
 
 
 def active_rollouts(dataset: datasets.Dataset) -> int:
@@ -206,15 +207,16 @@ def active_rollouts(dataset: datasets.Dataset) -> int:
     return sum(stop is None for stop in dataset["stop_reason"])
 
 
-def turn_summary(dataset: datasets.Dataset, config: RunConfig) -> dict[str, Any]:
-    """What the manifest of a turn records: rollouts still going on, why the others stopped,
-    tool failures by kind and the tools the run's tasks may use."""
+def turn_summary(dataset: datasets.Dataset, settings: ExecuteSettings) -> dict[str, Any]:
+    """What the manifest of a turn records: its turn, rollouts still going on, why the others
+    stopped, tool failures by kind and the tools the run's tasks may use."""
     stops = dataset["stop_reason"]
     return {
+        "turn": dataset[0]["turn"] if len(dataset) else None,
         "active": active_rollouts(dataset),
         "stop_reasons": {stop: stops.count(stop) for stop in sorted(set(stops) - {None})},
         "tool_failures": failure_counts(dataset),
-        "tools": sorted(registered_tools(config)),
+        "tools": sorted(settings.tasks.tools()),
     }
 
 
@@ -226,3 +228,25 @@ def failure_counts(dataset: datasets.Dataset) -> dict[str, int]:
             if call["failure_kind"]:
                 counts[call["failure_kind"]] += 1
     return counts
+
+
+def run(inputs: Inputs, settings: ExecuteSettings) -> Output:
+    """execute-tools on one turn's generate-rollouts version (its rows hold the environments' state
+    so far: a stateful game is made again from it), with the tokenizer of the policy that
+    generated it (input "policy")."""
+    turns = inputs.load("generate-rollouts")
+    dataset = map_row_shards(
+        execute_shard, turns, settings.runner, settings.shards, str(inputs.folder(POLICY)), settings
+    )
+    return Output(dataset, turn_summary(dataset, settings))
+
+
+STAGE = Stage(
+    name="execute-tools",
+    inputs=("generate-rollouts", POLICY),  # the turn; the policy that generated it (its tokenizer)
+    features=EXECUTE_TOOLS,
+    settings=ExecuteSettings,
+    run=run,
+    rerun_from="generate-rollouts",
+    distributed=True,
+)

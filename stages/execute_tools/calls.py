@@ -5,7 +5,7 @@ concurrently, each in a killable process.
 Nothing here raises on model output. Every failure becomes a ToolResult whose `content` the
 model can read and whose `error` is one of FAILURE_KINDS. A tool that cannot run as configured
 (the sandbox on, and a tool a worker cannot import) is a configuration error: a ValueError,
-which stages/task_mix.py's check_environments raises at run start already.
+which stages/registry.py's check_tasks raises at run start already.
 """
 
 from __future__ import annotations

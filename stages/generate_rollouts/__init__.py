@@ -7,31 +7,51 @@ sampled token is stored with its logprob under the convention
     completion_logprobs[i] = log_softmax(logits / temperature)[token_i]
 
 taken before any top-k/top-p truncation, and each rollout turn has its own sampling seed.
+
+Turn 0 samples the iteration's tasks and renders their prompts; turn t continues the rollouts
+that turn t - 1's execute-tools left active. A turn reads that one previous turn, never every
+earlier one: the rollouts' token streams are kept in memory from turn to turn (STREAMS, by
+version), and the whole history is read only when they are not there (a resumed run, `mtrl
+stage`), once.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import random
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import datasets
 
 from runtime.phases import PHASES
-from schemas.config import GenerationConfig, RunConfig
 from schemas.features import GENERATE_ROLLOUTS, FinishReason, dataset_from_rows
+from schemas.stage import POLICY, Inputs, Output, Settings, Stage, read
+from schemas.task_mix import groups_per_task
 from schemas.token_stream import (
     CONTEXT_CONVENTION,
     chat_template_hash,
+    continue_streams,
     generation_prompt_ids,
     prompt_token_ids,
     rollouts,
 )
 from stages.generate_rollouts import hf, vllm_engine  # noqa: F401  (register the "hf" and "vllm" engines)
-from stages.generate_rollouts.engine import ENGINES, Completion, GenerationEngine, Request, Sampling
-from stages.task_mix import rollout_starts
+from stages.generate_rollouts.engine import ENGINE, Completion, EngineSettings, GenerationEngine, Request
+from stages.policy.loading import load_tokenizer
+from stages.registry import Tasks, check_tasks, tool_schemas
 
-__all__ = ["ENGINES", "generate_rollouts", "generate_turn", "provenance", "sampling_seed", "split_thinking"]
+
+class GenerateSettings(Settings):
+    engine: EngineSettings  # the engine, the sampling settings, the context budget, the seed
+    tasks: Tasks
+    rollouts: int = read("task.rollouts")
+    group_size: int = read("task.group_size")
+    max_new_tokens: int = read("generation.max_new_tokens")
+    enable_thinking: bool = read("generation.enable_thinking")
+    sandbox: bool = read("tools.sandbox")  # the tasks' tools are checked importable by a sandbox worker
 
 
 def sampling_seed(seed: int, iteration: int, rollout_id: int, turn: int) -> int:
@@ -58,79 +78,105 @@ def check_context_budget(max_context_tokens: int, max_model_len: int) -> None:
         )
 
 
+def rollout_starts(settings: GenerateSettings, iteration: int) -> list[dict[str, Any]]:
+    """The iteration's tasks: rollouts / group_size groups, each one task of one environment
+    (split by the task mix) sampled group_size times. A group never mixes tasks."""
+    check_tasks(settings.tasks, settings.sandbox)
+    rng = random.Random(f"tasks/{settings.engine.seed}/{iteration}")
+    tools = settings.tasks.tools()
+    starts = []
+    for group_id, name in enumerate(groups_per_task(settings.tasks.mix, settings.rollouts // settings.group_size)):
+        found = settings.tasks.environment(name)
+        schemas = tool_schemas(found, tools)
+        try:
+            task = found.sample_task(rng)
+            messages = found.reset(task)
+            json.dumps(task)
+        except Exception as exc:
+            raise ValueError(f"environment '{name}' failed to start a task: {exc.__class__.__name__}: {exc}") from exc
+        for _ in range(settings.group_size):
+            starts.append(
+                {
+                    "rollout_id": len(starts),
+                    "group_id": group_id,
+                    "task": name,
+                    "task_id": f"{name}-{iteration}-{group_id}",
+                    "task_payload": json.dumps(task, sort_keys=True),
+                    "messages": messages,
+                    "tools": schemas,
+                }
+            )
+    return starts
+
+
+IDENTITY = ("rollout_id", "group_id", "task", "task_id", "task_payload")  # a rollout's, on each of its rows
+
+
+def first_turn(tokenizer: Any, settings: GenerateSettings, iteration: int) -> list[dict[str, Any]]:
+    """The pending rows of turn 0 (each with its `stream`, the tokens the model sees): the
+    iteration's tasks, their prompts rendered."""
+    pending = []
+    for start in rollout_starts(settings, iteration):
+        context = prompt_token_ids(tokenizer, start["messages"], start["tools"], settings.enable_thinking)
+        row = {name: start[name] for name in IDENTITY}
+        pending.append({**row, "env_state": "{}", "context_token_ids": context, "stream": context, "stop": ()})
+    return pending
+
+
+def next_turn(
+    tokenizer: Any, settings: GenerateSettings, previous: datasets.Dataset, streams: dict[int, list[int]]
+) -> list[dict[str, Any]]:
+    """The pending rows of the turn after `previous` (an execute-tools dataset): its rollouts that
+    go on, their streams so far (`streams`, after `previous`) followed by the generation prompt."""
+    context = generation_prompt_ids(tokenizer, settings.enable_thinking)
+    columns = [*IDENTITY, "stop_reason", "next_stop", "next_env_state"]
+    pending = []
+    for row in sorted(previous.select_columns(columns).to_list(), key=lambda row: row["rollout_id"]):
+        if row["stop_reason"] is None:
+            pending.append(
+                {
+                    **{name: row[name] for name in IDENTITY},
+                    "env_state": row["next_env_state"],
+                    "context_token_ids": list(context),
+                    "stream": streams[row["rollout_id"]] + context,
+                    "stop": tuple(row["next_stop"] or ()),
+                }
+            )
+    return pending
+
+
 def generate_rollouts(
     engine: GenerationEngine,
     tokenizer: Any,
+    settings: GenerateSettings,
+    pending: list[dict[str, Any]],
     *,
-    config: GenerationConfig,
-    seed: int,
     iteration: int,
     turn: int,
     policy_version: str,
-    starts: list[dict[str, Any]] | None = None,
-    history: datasets.Dataset | None = None,
+    earlier_turns: Callable[[], datasets.Dataset] | None = None,
     report_progress: Callable[[float], None] | None = None,
 ) -> tuple[datasets.Dataset, dict[str, Any] | None]:
-    """One assistant turn for each active rollout, and how the engine replayed the earlier
-    turns first (None: it did not need to).
-
-    Turn 0 takes `starts` (rollout_id, group_id, task, task_id, task_payload, messages,
-    tools); later turns take `history`, the execute-tools rows of all earlier turns, and
-    continue the rollouts whose last row has no stop_reason. `report_progress` receives the
-    share of the turn decoded so far.
-    """
-    check_context_budget(config.max_context_tokens, engine.max_model_len)
-    rows: list[dict[str, Any]] = []
-    streams: list[list[int]] = []
-    if turn == 0:
-        for start in starts or []:
-            context = prompt_token_ids(tokenizer, start["messages"], start["tools"], config.enable_thinking)
-            rows.append({k: start[k] for k in ("rollout_id", "group_id", "task", "task_id", "task_payload")})
-            rows[-1].update(env_state="{}", context_token_ids=context)
-            streams.append(context)
-    else:
-        assert history is not None, "turns after the first continue from the execute-tools history"
-        full_streams = {rollout.rollout_id: rollout.token_ids for rollout in rollouts(history)}
-        last_rows = {}
-        for row in history.select_columns(
-            [
-                "rollout_id",
-                "group_id",
-                "task",
-                "task_id",
-                "task_payload",
-                "turn",
-                "stop_reason",
-                "next_stop",
-                "next_env_state",
-            ]
-        ):
-            if row["turn"] == turn - 1 and row["stop_reason"] is None:
-                last_rows[row["rollout_id"]] = row
-        context = generation_prompt_ids(tokenizer, config.enable_thinking)
-        for rollout_id in sorted(last_rows):
-            row = last_rows[rollout_id]
-            rows.append({k: row[k] for k in ("rollout_id", "group_id", "task", "task_id", "task_payload")})
-            rows[-1].update(
-                env_state=row["next_env_state"], context_token_ids=list(context), stop=tuple(row["next_stop"] or ())
-            )
-            streams.append(full_streams[rollout_id] + context)
-
+    """One assistant turn for each pending row (first_turn, next_turn), and how the engine replayed
+    the earlier turns first (None: it did not need to). `earlier_turns` gives the stored earlier
+    turns to an engine that lost its state; `report_progress` receives the share of the turn
+    decoded so far."""
+    check_context_budget(settings.engine.max_context_tokens, engine.max_model_len)
+    rows = [{name: value for name, value in row.items() if name not in ("stream", "stop")} for row in pending]
     requests = []
-    for row, stream in zip(rows, streams):
-        row["sampling_seed"] = sampling_seed(seed, iteration, row["rollout_id"], turn)
+    for row, waiting in zip(rows, pending):
+        stream = waiting["stream"]
+        row["sampling_seed"] = sampling_seed(settings.engine.seed, iteration, row["rollout_id"], turn)
         row["stream_offset"] = len(stream) - len(row["context_token_ids"])
         row["failed"], row["failure"] = False, None
-        budget = min(config.max_new_tokens, config.max_context_tokens - len(stream))
+        budget = min(settings.max_new_tokens, settings.engine.max_context_tokens - len(stream))
         if budget >= 1:  # else a prompt longer than the context: an empty turn, a truncation
-            requests.append(Request(row["rollout_id"], stream, row["sampling_seed"], budget, row.pop("stop", ())))
-    sampling = Sampling(config.temperature, config.top_k, config.top_p)
+            requests.append(Request(row["rollout_id"], stream, row["sampling_seed"], budget, waiting["stop"]))
     with PHASES.span("stage_compute"):  # the stage's own work, apart from reading and writing (bench/long_episodes.py)
-        generation = engine.generate(requests, sampling, earlier_turns=history, report_progress=report_progress)
+        generation = engine.generate(requests, settings.engine.sampling(), earlier_turns, report_progress)
     completions = {request.key: completion for request, completion in zip(requests, generation.completions)}
 
     for row in rows:
-        row.pop("stop", None)
         completion = completions.get(row["rollout_id"], Completion([], [], FinishReason.LENGTH))
         thinking, content = split_thinking(tokenizer.decode(completion.token_ids, skip_special_tokens=True))
         row.update(
@@ -146,38 +192,86 @@ def generate_rollouts(
     return dataset_from_rows(rows, GENERATE_ROLLOUTS), generation.replay
 
 
-def generate_turn(
-    engine: GenerationEngine,
-    tokenizer: Any,
-    config: RunConfig,
-    *,
-    iteration: int,
-    turn: int,
-    policy_version: str,
-    history: datasets.Dataset | None,
-    report_progress: Callable[[float], None] | None = None,
-) -> tuple[datasets.Dataset, dict[str, Any] | None]:
-    """generate-rollouts for one turn of an iteration, configured by the run config: at turn 0
-    the iteration's tasks (stages/task_mix.py), later the rollouts of `history` still going on."""
-    return generate_rollouts(
-        engine,
-        tokenizer,
-        config=config.generation,
-        seed=config.seed,
-        iteration=iteration,
-        turn=turn,
-        policy_version=policy_version,
-        starts=rollout_starts(config, iteration) if turn == 0 else None,
-        history=history,
-        report_progress=report_progress,
-    )
-
-
-def provenance(config: GenerationConfig, seed: int, tokenizer: Any) -> dict[str, Any]:
+def provenance(settings: GenerateSettings, tokenizer: Any) -> dict[str, Any]:
     """How the rollouts were sampled, for the manifest: settings, conventions, template hash."""
+    engine = settings.engine
+    sampling = {"temperature": engine.temperature, "top_p": engine.top_p, "top_k": engine.top_k, "seed": engine.seed}
     return {
-        "sampling": config.model_dump(mode="json") | {"seed": seed},
+        "sampling": {
+            **sampling,
+            "max_new_tokens": settings.max_new_tokens,
+            "enable_thinking": settings.enable_thinking,
+        },
         "logprob_convention": "log_softmax(logits / temperature) of the sampled token, before top-k/top-p",
         "context_convention": CONTEXT_CONVENTION,
         "chat_template_sha256": chat_template_hash(tokenizer),
     }
+
+
+# The streams of each turn's rollouts before it, by the generate-rollouts version of that turn: the
+# next turn extends them by that turn's rows. A few versions: one or two iterations generate at once.
+STREAMS: OrderedDict[str, dict[int, list[int]]] = OrderedDict()
+STREAMS_KEPT = 4
+
+
+def streams_before(inputs: Inputs) -> dict[int, list[int]]:
+    """Every continuing rollout's token stream after the previous turn: the streams that turn
+    started from (kept from when it was generated in this process) extended by its rows, or, when
+    this process did not generate it, rebuilt from every stored turn."""
+    previous_generation = inputs.manifest("execute-tools").parents["generate-rollouts"]
+    if previous_generation in STREAMS:
+        return continue_streams(STREAMS[previous_generation], inputs.load("execute-tools"))
+    return {rollout.rollout_id: rollout.token_ids for rollout in rollouts(inputs.turns("execute-tools"))}
+
+
+def remember_streams(version: str, pending: list[dict[str, Any]]) -> None:
+    STREAMS[version] = {
+        row["rollout_id"]: row["stream"][: len(row["stream"]) - len(row["context_token_ids"])] for row in pending
+    }
+    while len(STREAMS) > STREAMS_KEPT:
+        STREAMS.popitem(last=False)
+
+
+def run(
+    inputs: Inputs,
+    settings: GenerateSettings,
+    *,
+    iteration: int,
+    turn: int,
+    report_progress: Callable[[float], None] | None = None,
+) -> Output:
+    """generate-rollouts of turn `turn` of iteration `iteration`: the policy (input "policy") after
+    the previous turn's execute-tools version (input "execute-tools", from turn 1 on)."""
+    policy_dir = inputs.folder(POLICY)
+    tokenizer = load_tokenizer(str(policy_dir))
+    engine = ENGINE.serving(policy_dir, tokenizer, settings.engine)
+    if turn == 0:
+        pending = first_turn(tokenizer, settings, iteration)
+    else:
+        pending = next_turn(tokenizer, settings, inputs.load("execute-tools"), streams_before(inputs))
+    dataset, replay = generate_rollouts(
+        engine,
+        tokenizer,
+        settings,
+        pending,
+        iteration=iteration,
+        turn=turn,
+        policy_version=inputs.parents[POLICY],
+        earlier_turns=(lambda: inputs.turns("execute-tools")) if turn else None,
+        report_progress=report_progress,
+    )
+    remember_streams(inputs.version, pending)
+    provenance_fields = provenance(settings, tokenizer) | {"engine": engine.describe()}
+    # a cold engine (a resumed run) replays the earlier turns first; 0.0 means bit-identical
+    return Output(dataset, {"provenance": provenance_fields, "replay": replay})
+
+
+STAGE = Stage(
+    name="generate-rollouts",
+    inputs=(POLICY, "execute-tools"),  # the policy, and the previous turn (from turn 1 on)
+    features=GENERATE_ROLLOUTS,
+    settings=GenerateSettings,
+    run=run,
+    # the worker extension the vLLM servers mtrl starts load each policy with (not imported here)
+    code=("stages/generate_rollouts/vllm_extension",),
+)

@@ -16,11 +16,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from schemas.config import RunConfig
 from schemas.features import FinishReason
 from schemas.token_stream import rollouts
-from stages.generate_rollouts.engine import ENGINES, Completion, Generation, Request, Sampling
-from stages.policy import TRANSFORMERS_GLOBALS, eos_token_ids, load_model
+from stages.generate_rollouts.engine import ENGINES, Completion, EngineSettings, Generation, Request, Sampling
+from stages.policy.loading import TRANSFORMERS_GLOBALS, eos_token_ids, load_model
 
 
 def filter_logits(scaled_logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -69,8 +68,8 @@ class HFEngine:
         self.reset()
 
     @classmethod
-    def open(cls, model_dir: str | Path, tokenizer: Any, config: RunConfig) -> HFEngine:
-        model = load_model(model_dir, config.model.dtype, config.model.device)
+    def open(cls, model_dir: str | Path, tokenizer: Any, settings: EngineSettings) -> HFEngine:
+        model = load_model(model_dir, settings.dtype, settings.device)
         return cls(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode)
 
     reloads_in_place = False  # loading the checkpoint is what opening costs
@@ -89,16 +88,17 @@ class HFEngine:
         self,
         requests: Sequence[Request],
         sampling: Sampling,
-        earlier_turns: datasets.Dataset | None = None,
+        earlier_turns: Callable[[], datasets.Dataset] | None = None,
         report_progress: Callable[[float], None] | None = None,
     ) -> Generation:
         """A completion for every request; a cache that cannot continue the requests (a resumed
-        run) is first rebuilt by replaying `earlier_turns`."""
+        run) is first rebuilt by replaying the stored `earlier_turns()`."""
         replayed = None
         if earlier_turns is not None and requests and not self.can_continue(requests):
+            history = earlier_turns()
             replayed = {
-                "turns": len(set(earlier_turns["turn"])),
-                "max_abs_logprob_difference": self.replay(earlier_turns, sampling),
+                "turns": len(set(history["turn"])),
+                "max_abs_logprob_difference": self.replay(history, sampling),
             }
         return Generation(self.sample(requests, sampling, report_progress=report_progress), replayed)
 

@@ -41,10 +41,10 @@ import datasets
 
 from runtime.processes import free_port
 from runtime.vllm_server import EngineError, VLLMServer, vllm_python, vllm_version
-from schemas.config import GenerationConfig, RunConfig, rescore_tolerance
 from schemas.features import FinishReason
-from stages.generate_rollouts.engine import ENGINES, Completion, Generation, Request, Sampling
-from stages.policy import eos_token_ids, pick_device
+from stages.generate_rollouts.engine import ENGINES, Completion, EngineSettings, Generation, Request, Sampling
+from stages.policy.loading import eos_token_ids
+from stages.policy.scoring import rescore_tolerance
 
 SERVED_MODEL_NAME = "policy"
 # mtrl's worker extension, imported by the servers mtrl starts (their PYTHONPATH holds its folder)
@@ -56,9 +56,9 @@ PROBE_PROMPTS, PROBE_PROMPT_TOKENS, PROBE_NEW_TOKENS = 2, 32, 16
 FINISH_REASONS = {"length": FinishReason.LENGTH, "stop": FinishReason.STOP}
 
 
-def logprobs_mode(generation: GenerationConfig) -> str:
+def logprobs_mode(settings: EngineSettings) -> str:
     """The vLLM --logprobs-mode whose numbers are the stored convention (see the module docstring)."""
-    return "processed_logprobs" if generation.top_k == 0 and generation.top_p == 1.0 else "raw_logprobs"
+    return "processed_logprobs" if settings.top_k == 0 and settings.top_p == 1.0 else "raw_logprobs"
 
 
 def served_checkpoint(model_dir: str | Path, runs_dir: str | Path) -> Path:
@@ -81,34 +81,34 @@ def served_checkpoint(model_dir: str | Path, runs_dir: str | Path) -> Path:
     return view
 
 
-def server_command(model_dir: str | Path, config: RunConfig, port: int) -> tuple[list[str], dict[str, str]]:
+def server_command(model_dir: str | Path, settings: EngineSettings, port: int) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of a vLLM server for this checkpoint: what shapes its
     numbers (dtype, seed, logprob mode, CPU scheduling) and mtrl's worker extension."""
-    settings = config.vllm
+    server = settings.vllm
     command = [
-        vllm_python(settings.python), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(served_checkpoint(model_dir, config.store.runs_dir)),
+        vllm_python(server.python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(served_checkpoint(model_dir, settings.runs_dir)),
         "--served-model-name", SERVED_MODEL_NAME,
         "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", config.model.dtype,
-        "--max-model-len", str(config.generation.max_context_tokens),
-        "--logprobs-mode", logprobs_mode(config.generation),
+        "--dtype", settings.dtype,
+        "--max-model-len", str(settings.max_context_tokens),
+        "--logprobs-mode", logprobs_mode(settings),
         "--enable-prefix-caching",
         "--generation-config", "vllm",  # vLLM's neutral defaults, not the checkpoint's sampling settings
-        "--seed", str(config.seed),
-        "--tensor-parallel-size", str(settings.tensor_parallel_size),
-        "--data-parallel-size", str(settings.data_parallel_size),
-        "--gpu-memory-utilization", str(settings.gpu_memory_utilization),
+        "--seed", str(settings.seed),
+        "--tensor-parallel-size", str(server.tensor_parallel_size),
+        "--data-parallel-size", str(server.data_parallel_size),
+        "--gpu-memory-utilization", str(server.gpu_memory_utilization),
         "--worker-extension-cls", EXTENSION_CLASS,
     ]  # fmt: skip
-    if pick_device(config.model.device).type == "cpu":
+    if settings.device == "cpu":
         command.append("--enforce-eager")  # CUDA graphs and torch.compile do not apply on CPU
         # A prompt split over scheduler steps (chunked prefill) rewinds its seeded generator, which
         # CPU generators cannot do: the engine dies ("CPU Generator does not use offset"). Whole
         # prompts only; the step's token budget must then hold the longest one.
-        budget = max(config.generation.max_context_tokens, 8192)
+        budget = max(settings.max_context_tokens, 8192)
         command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(budget)]
-    command += settings.extra_args
+    command += server.extra_args
     python_path = os.pathsep.join(filter(None, [str(EXTENSION_DIR), os.environ.get("PYTHONPATH")]))
     environment = {
         **os.environ,
@@ -138,25 +138,25 @@ class VLLMEngine:
         url: str,
         eos_ids: Sequence[int],
         max_model_len: int,
-        config: RunConfig,
+        engine: EngineSettings,
         server: VLLMServer | None = None,
     ):
         self.url = url.rstrip("/")
         self.eos_ids = list(eos_ids)
         self.max_model_len = max_model_len
-        self.settings = config.vllm
+        self.settings = engine.vllm
         self.server = server
         self.log = str(server.log_path) if server else f"the log of the server at {self.url}"
-        self.runs_dir = config.store.runs_dir
+        self.runs_dir = engine.runs_dir
         self.reloads_in_place = self.settings.weight_update == "in_place"
-        self.logprobs_mode = logprobs_mode(config.generation)
-        self.temperature = config.generation.temperature
-        self.device = config.model.device
-        self.tolerance = rescore_tolerance(config.audit.tolerance, config.model.dtype)
+        self.logprobs_mode = logprobs_mode(engine)
+        self.temperature = engine.temperature
+        self.device = engine.device
+        self.tolerance = rescore_tolerance(engine.rescore_tolerance, engine.dtype)
         self.update: dict[str, Any] = {}  # how the served policy (folder name) got there (provenance)
 
     @classmethod
-    def open(cls, model_dir: str | Path, tokenizer: Any, config: RunConfig) -> VLLMEngine:
+    def open(cls, model_dir: str | Path, tokenizer: Any, settings: EngineSettings) -> VLLMEngine:
         from transformers import AutoConfig, GenerationConfig
 
         model_config = AutoConfig.from_pretrained(model_dir)
@@ -166,16 +166,16 @@ class VLLMEngine:
             generation_config = GenerationConfig.from_model_config(model_config)
         eos_ids = eos_token_ids(tokenizer, generation_config)
         max_model_len = getattr(model_config, "max_position_embeddings", None) or 10**9
-        if config.vllm.url:
-            engine = cls(config.vllm.url, eos_ids, max_model_len, config)
+        if settings.vllm.url:
+            engine = cls(settings.vllm.url, eos_ids, max_model_len, settings)
             engine.load_policy(model_dir)  # whatever it served before
             return engine
-        log_path = Path(config.store.runs_dir) / "logs" / f"vllm-{Path(model_dir).name}.log"
+        log_path = Path(settings.runs_dir) / "logs" / f"vllm-{Path(model_dir).name}.log"
         started = time.perf_counter()
         port = free_port()
-        command, environment = server_command(model_dir, config, port)
-        server = VLLMServer(command, environment, f"http://127.0.0.1:{port}", log_path, config.vllm.start_timeout_s)
-        engine = cls(server.url, eos_ids, max_model_len, config, server)
+        command, environment = server_command(model_dir, settings, port)
+        server = VLLMServer(command, environment, f"http://127.0.0.1:{port}", log_path, settings.vllm.start_timeout_s)
+        engine = cls(server.url, eos_ids, max_model_len, settings, server)
         engine.update = {
             "policy": Path(model_dir).name,
             "how": "server start",
@@ -229,7 +229,7 @@ class VLLMEngine:
         with an HF float32 forward of the checkpoint, and fail on a difference over the tolerance."""
         import torch
 
-        from stages.policy import load_model
+        from stages.policy.loading import load_model
 
         started = time.perf_counter()
         model = load_model(model_dir, "float32", self.device)
@@ -262,7 +262,7 @@ class VLLMEngine:
         self,
         requests: Sequence[Request],
         sampling: Sampling,
-        earlier_turns: datasets.Dataset | None = None,
+        earlier_turns: Callable[[], datasets.Dataset] | None = None,
         report_progress: Callable[[float], None] | None = None,
     ) -> Generation:
         """A completion per request. `earlier_turns` are not needed: every request carries its

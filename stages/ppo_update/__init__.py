@@ -9,17 +9,22 @@ Read top to bottom:
      completion tokens only, never prompts, observations or generation prompts), padded
      rows or packed into a token budget;
   3. the optimisation loop: epochs x shuffled mini-batches x gradient-accumulated micro-batches;
-  4. train_policy: the stage, from a stored policy to the next one.
+  4. the stage: train_policy, from a stored policy to the next one, and run, which decides the old
+     logprobs (the stale-rollouts rule) and the memory settings and trains in this process or on
+     ppo.world_size processes (runtime/launch.py starts them under torchrun, here or on Ray nodes;
+     each runs worker.py, which calls train_policy).
 
-Loading and scoring a policy (logprobs, values, KL estimators) are stages/policy.py's; saving it
-with its AdamW state is checkpoint.py's. With ppo.world_size > 1, pipeline/launch.py starts the ranks
-under torchrun (here or on Ray nodes) and each runs worker.py, which calls train_policy.
-Convention: logprob = log_softmax(logits / temperature)[token], as at generation time.
+Loading, batching and scoring a policy are stages/policy/'s; saving it with its AdamW state is
+checkpoint.py's. Convention: logprob = log_softmax(logits / temperature)[token], as at generation time.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import random
+import shutil
+import threading
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -31,25 +36,81 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from schemas.config import PPOConfig
-from stages.policy import (
-    TRANSFORMERS_GLOBALS,
+from runtime.launch import Placement, run_on_ranks
+from runtime.memory import peak_memory
+from runtime.passes import PassCounts, add_counts, count_pass, counting_passes
+from runtime.phases import PHASES
+from schemas.features import PPO_UPDATE, dataset_from_rows
+from schemas.stage import POLICY, Inputs, Output, Settings, Stage, read
+from stages.policy.batching import (
     RolloutSequence,
-    Scorer,
-    ValueHead,
     collate,
-    count_pass,
-    kl_estimate,
-    load_model,
-    load_tokenizer,
     memory_settings,
     micro_batches,
     rollout_sequences,
     shares_prefix,
     training_memory,
 )
+from stages.policy.loading import (
+    TRANSFORMERS_GLOBALS,
+    Device,
+    ValueHead,
+    exact_generation_logprobs,
+    load_model,
+    load_tokenizer,
+    parameter_count,
+)
+from stages.policy.scoring import Scorer, kl_estimate
 from stages.ppo_update.checkpoint import load_optimizer_state, optimizer_tensors, save_policy
 from stages.sharding import SINGLE, Ranks, grad_norm, passes, shard_model
+
+LOG = logging.getLogger("mtrl.ppo_update")
+
+
+class PPOSettings(Settings):
+    learning_rate: float = read("ppo.learning_rate")
+    weight_decay: float = read("ppo.weight_decay")
+    epochs: int = read("ppo.epochs")
+    minibatch_rollouts: int = read("ppo.minibatch_rollouts")
+    micro_batch_rollouts: int = read("ppo.micro_batch_rollouts")
+    max_tokens_per_micro_batch: int | None = read("ppo.max_tokens_per_micro_batch")  # null: the memory rule
+    share_prefix: bool = read("ppo.share_prefix")
+    gradient_checkpointing: bool | None = read("ppo.gradient_checkpointing")  # null: the memory rule
+    clip_low: float = read("ppo.clip_low")
+    clip_high: float = read("ppo.clip_high")
+    clip_ratio_c: float | None = read("ppo.clip_ratio_c")
+    loss_aggregation: str = read("ppo.loss_aggregation")
+    loss_norm_tokens: int = read("ppo.loss_norm_tokens")
+    entropy_coef: float = read("ppo.entropy_coef")
+    kl_coef: float = read("ppo.kl_coef")
+    kl_estimator: str = read("ppo.kl_estimator")
+    kl_in: str = read("ppo.kl_in")
+    value_coef: float = read("ppo.value_coef")
+    value_clip: float | None = read("ppo.value_clip")
+    recompute_old_logprobs: bool | None = read("ppo.recompute_old_logprobs")  # null: run() decides
+    tis_cap: float = read("ppo.tis_cap")
+    max_grad_norm: float = read("ppo.max_grad_norm")
+    logprob_chunk_tokens: int = read("ppo.logprob_chunk_tokens")
+    autocast: str = read("ppo.autocast")
+    lora_rank: int = read("ppo.lora_rank")
+    lora_alpha: float = read("ppo.lora_alpha")
+    # Each rank's share and the order gradients are summed in: the same update up to float rounding.
+    world_size: int = read("ppo.world_size")
+    seed: int = read("seed")
+    temperature: float = read("generation.temperature")
+    device: Device = read("model.device")
+    # which logprobs generation stored: the hf engine in float32 stores the policy's own
+    generation_engine: str = read("generation.engine")
+    generation_dtype: str = read("model.dtype")
+    # A fresh AdamW in place of a pruned state (pipeline/retention.py): on only where it takes effect.
+    fresh_optimizer: bool = read("store.fresh_optimizer_if_pruned")
+    # Where the ranks run, not what they compute (tested equal within float rounding), and when a hung
+    # job fails: not part of the version.
+    nodes: int = read("ppo.nodes", placement=True)
+    ray_address: str | None = read("runner.ray_address", placement=True)
+    requested_device: str = read("model.device", placement=True)  # auto: a GPU per rank where a node has one
+    collective_timeout_s: float = read("ppo.collective_timeout_s", placement=True)
+
 
 # ---------------------------------------------------------------------------------------
 # 1. Pure functions
@@ -108,28 +169,33 @@ def token_loss(
     logprobs: torch.Tensor,
     entropy: torch.Tensor,
     values: torch.Tensor | None,
-    config: PPOConfig,
+    settings: PPOSettings,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """Per-token total loss and its terms, before aggregation:
 
         total = w * clipped_surrogate - entropy_coef * H (+ kl_coef * KL) (+ value_coef * value loss)
 
-    with w the truncated IS weight. KL enters when config.kl_in == "loss" and kl_coef > 0;
+    with w the truncated IS weight. KL enters when settings.kl_in == "loss" and kl_coef > 0;
     the value loss when `values` (the critic's) are given.
     Returns (total, {term name: per-token value}, whether the ratio clip was active, w)."""
     surrogate, was_clipped = policy_loss(
-        logprobs, batch["old_logprobs"], batch["advantages"], config.clip_low, config.clip_high, config.clip_ratio_c
+        logprobs,
+        batch["old_logprobs"],
+        batch["advantages"],
+        settings.clip_low,
+        settings.clip_high,
+        settings.clip_ratio_c,
     )
-    is_weight = truncated_is_weight(batch["old_logprobs"], batch["generation_logprobs"], config.tis_cap)
+    is_weight = truncated_is_weight(batch["old_logprobs"], batch["generation_logprobs"], settings.tis_cap)
     weighted = surrogate * is_weight
-    total = weighted - config.entropy_coef * entropy
+    total = weighted - settings.entropy_coef * entropy
     terms = {"policy_loss": weighted, "entropy": entropy}
-    if config.kl_coef > 0 and config.kl_in == "loss":
-        terms["kl"] = kl_estimate(logprobs, batch["ref_logprobs"], config.kl_estimator)
-        total = total + config.kl_coef * terms["kl"]
+    if settings.kl_coef > 0 and settings.kl_in == "loss":
+        terms["kl"] = kl_estimate(logprobs, batch["ref_logprobs"], settings.kl_estimator)
+        total = total + settings.kl_coef * terms["kl"]
     if values is not None:
-        terms["value_loss"] = value_loss(values, batch["old_values"], batch["returns"], config.value_clip)
-        total = total + config.value_coef * terms["value_loss"]
+        terms["value_loss"] = value_loss(values, batch["old_values"], batch["returns"], settings.value_clip)
+        total = total + settings.value_coef * terms["value_loss"]
     return total, terms, was_clipped, is_weight
 
 
@@ -170,13 +236,13 @@ def aggregate(
 
 
 def build_optimizer(
-    model: torch.nn.Module, config: PPOConfig, value_head: ValueHead | None = None
+    model: torch.nn.Module, settings: PPOSettings, value_head: ValueHead | None = None
 ) -> torch.optim.AdamW:
     """AdamW over the policy's trainable parameters (group 0) and the critic's (group 1)."""
     groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     if value_head is not None:
         groups.append({"params": list(value_head.parameters())})
-    return torch.optim.AdamW(groups, lr=config.learning_rate, weight_decay=config.weight_decay)
+    return torch.optim.AdamW(groups, lr=settings.learning_rate, weight_decay=settings.weight_decay)
 
 
 def _autocast(device: torch.device, mode: str):
@@ -188,8 +254,7 @@ def optimise_policy(
     model: torch.nn.Module,
     turns: datasets.Dataset,
     *,
-    config: PPOConfig,
-    temperature: float,
+    settings: PPOSettings,
     pad_token_id: int,
     seed: int,
     value_head: ValueHead | None = None,
@@ -212,16 +277,16 @@ def optimise_policy(
     device = next(model.parameters()).device
     sequences = [s for s in rollout_sequences(turns) if s.target_positions]
     train_value = value_head is not None and all(len(s.old_values) == len(s.target_positions) for s in sequences)
-    use_kl_loss = config.kl_coef > 0 and config.kl_in == "loss"
+    use_kl_loss = settings.kl_coef > 0 and settings.kl_in == "loss"
     if use_kl_loss and not all(len(s.ref_logprobs) == len(s.target_positions) for s in sequences):
         raise ValueError("kl_in='loss' needs ref_logprobs in the compute-advantages dataset")
 
-    config = memory_settings(config, large=False)  # null memory fields: off (train_policy chose them by size)
+    settings = memory_settings(settings, large=False)  # null memory fields: off (train_policy chose them by size)
     # A rollout whose advantages are all 0 adds exactly 0 to the loss and its gradient when no other
     # term reads it (no KL in the loss, no entropy bonus, no critic): no pass computes it, and the loss
     # keeps its tokens in the normaliser, so the update is the one over every rollout. (With sparse
     # rewards most groups score alike; DAPO drops them from the batch instead, changing the normaliser.)
-    inert_without_advantage = not use_kl_loss and config.entropy_coef == 0 and not train_value
+    inert_without_advantage = not use_kl_loss and settings.entropy_coef == 0 and not train_value
 
     def computed(share: list[RolloutSequence]) -> list[RolloutSequence]:
         if not inert_without_advantage:
@@ -230,22 +295,22 @@ def optimise_policy(
 
     # Old logprobs: the policy before this update, recomputed by the training forward pass;
     # generation logprobs differ once kernels or precision differ, which TIS corrects for.
-    packed = config.max_tokens_per_micro_batch > 0
-    share_prefix = config.share_prefix and shares_prefix(scorer.model)
+    packed = settings.max_tokens_per_micro_batch > 0
+    share_prefix = settings.share_prefix and shares_prefix(scorer.model)
 
     def split(share: list[RolloutSequence]) -> list[list[RolloutSequence]]:
-        return micro_batches(share, config.micro_batch_rollouts, config.max_tokens_per_micro_batch, share_prefix)
+        return micro_batches(share, settings.micro_batch_rollouts, settings.max_tokens_per_micro_batch, share_prefix)
 
     def collated(chunk: list[RolloutSequence]) -> dict[str, torch.Tensor]:
         return collate(chunk, pad_token_id, device, packed, share_prefix)
 
-    if config.recompute_old_logprobs is not False:  # null: the caller knows no better (RunConfig resolves it)
+    if settings.recompute_old_logprobs is not False:  # null: the caller knows no better (run() resolves it)
         scored = computed(sequences)
         for chunk, weight in passes(scored, ranks, split):
             batch = collated(chunk)
             count_pass("old_logprobs", batch)
-            with torch.no_grad(), _autocast(device, config.autocast):
-                logprobs, _, _ = scorer(batch, temperature, config.logprob_chunk_tokens)
+            with torch.no_grad(), _autocast(device, settings.autocast):
+                logprobs, _, _ = scorer(batch, settings.temperature, settings.logprob_chunk_tokens)
             offset = 0
             for seq in chunk if weight else []:
                 seq.old_logprobs = logprobs[offset : offset + len(seq.target_positions)].tolist()
@@ -258,31 +323,31 @@ def optimise_policy(
         for seq in sequences:
             seq.old_logprobs = list(seq.generation_logprobs)
 
-    optimizer = optimizer or build_optimizer(model, config, value_head)
+    optimizer = optimizer or build_optimizer(model, settings, value_head)
     parameters = optimizer.param_groups[0]["params"]
     critic_parameters = optimizer.param_groups[1]["params"] if train_value else []
     shuffle = random.Random(seed)
-    n_steps = config.epochs * -(-len(sequences) // config.minibatch_rollouts)
+    n_steps = settings.epochs * -(-len(sequences) // settings.minibatch_rollouts)
     metrics: list[dict[str, float]] = []
     progress = tqdm(total=n_steps, desc="ppo-update", unit="step", leave=False, disable=None)
     # Recompute each layer's activations in backward: less memory, about 1/3 more compute.
     # (gradient_checkpointing_* exist in every transformers 5.x; 5.23 renames them activation_*.)
-    if config.gradient_checkpointing:
+    if settings.gradient_checkpointing:
         scorer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     scorer.train()
     # Mini-batches of shuffled rollouts, not whole groups: with sparse rewards most groups have no
     # advantage, and a step on two such groups moves every weight by about the learning rate in a
     # direction of noise (Adam's step size does not shrink with the gradient). Rollouts of other
     # groups still share their system prompt and tools in a pass (prefix_units).
-    for epoch in range(config.epochs):
+    for epoch in range(settings.epochs):
         order = list(range(len(sequences)))
         shuffle.shuffle(order)
-        for start in range(0, len(order), config.minibatch_rollouts):
-            minibatch = [sequences[i] for i in order[start : start + config.minibatch_rollouts]]
+        for start in range(0, len(order), settings.minibatch_rollouts):
+            minibatch = [sequences[i] for i in order[start : start + settings.minibatch_rollouts]]
             minibatch_tokens = sum(len(s.target_positions) for s in minibatch)
             trained = computed(minibatch)
             trained_tokens = sum(len(s.target_positions) for s in trained)
-            over_computed = (trained_tokens, len(trained), config.loss_norm_tokens)  # the diagnostics' means
+            over_computed = (trained_tokens, len(trained), settings.loss_norm_tokens)  # the diagnostics' means
             sums: dict[str, float] = {}
             optimizer.zero_grad(set_to_none=True)
             # weight 0: a pass this rank repeats so that it runs as many as the busiest rank
@@ -290,16 +355,16 @@ def optimise_policy(
                 batch = collated(micro)
                 for kind in ("training_forward", "training_backward"):
                     count_pass(kind, batch)
-                if config.gradient_checkpointing:  # the backward pass runs each layer's forward again
+                if settings.gradient_checkpointing:  # the backward pass runs each layer's forward again
                     count_pass("training_recomputed_forward", batch)
-                with _autocast(device, config.autocast):
+                with _autocast(device, settings.autocast):
                     logprobs, entropy, values = scorer(
-                        batch, temperature, config.logprob_chunk_tokens, value_head if train_value else None
+                        batch, settings.temperature, settings.logprob_chunk_tokens, value_head if train_value else None
                     )
-                total, terms, was_clipped, is_weight = token_loss(batch, logprobs, entropy, values, config)
+                total, terms, was_clipped, is_weight = token_loss(batch, logprobs, entropy, values, settings)
                 shares = {"loss": total, **terms}
-                by = (batch["sequence_index"], config.loss_aggregation)
-                objective = aggregate(total, *by, minibatch_tokens, len(minibatch), config.loss_norm_tokens)
+                by = (batch["sequence_index"], settings.loss_aggregation)
+                objective = aggregate(total, *by, minibatch_tokens, len(minibatch), settings.loss_norm_tokens)
                 (objective * weight).backward()
                 with torch.no_grad():  # diagnostics: means over the rollouts this step computed
                     log_ratio = logprobs - batch["old_logprobs"]
@@ -321,9 +386,9 @@ def optimise_policy(
                 parameter.grad = torch.zeros_like(parameter)
             ranks.sum_gradients(critic_parameters)  # the value head is replicated, not sharded
             # Clipped apart: the critic's gradient must not shrink the policy's step.
-            policy_grad_norm = grad_norm(parameters, config.max_grad_norm)
+            policy_grad_norm = grad_norm(parameters, settings.max_grad_norm)
             if critic_parameters:
-                sums["value_grad_norm"] = grad_norm(critic_parameters, config.max_grad_norm)
+                sums["value_grad_norm"] = grad_norm(critic_parameters, settings.max_grad_norm)
             optimizer.step()
             metrics.append(
                 {
@@ -332,7 +397,7 @@ def optimise_policy(
                     "rollouts": len(minibatch),
                     "rollouts_computed": len(trained),
                     "tokens": minibatch_tokens,
-                    "learning_rate": config.learning_rate,
+                    "learning_rate": settings.learning_rate,
                     "grad_norm": policy_grad_norm,
                     **sums,
                 }
@@ -342,7 +407,7 @@ def optimise_policy(
                 report_progress(len(metrics) / n_steps)
     progress.close()
     optimizer.zero_grad(set_to_none=True)  # the last step's gradients: no longer needed, free them
-    if config.gradient_checkpointing:
+    if settings.gradient_checkpointing:
         scorer.model.gradient_checkpointing_disable()
     scorer.eval()
     return metrics
@@ -379,12 +444,10 @@ class TrainedPolicy:
 def train_policy(
     turns: datasets.Dataset,
     policy_dir: str | Path,
+    settings: PPOSettings,
     *,
-    config: PPOConfig,
     train_critic: bool,
-    temperature: float,
     seed: int,
-    device: str,
     report_progress: Callable[[float], None] | None = None,
     ranks: Ranks = SINGLE,
 ) -> TrainedPolicy | None:
@@ -399,15 +462,15 @@ def train_policy(
     With several `ranks` (under torchrun, see stages/ppo_update/worker.py) the policy is sharded with
     FSDP2 and the value head replicated; rank 0 gets the trained policy back whole, the other
     ranks None."""
-    config = training_memory(config, policy_dir, device)
-    model, tokenizer = load_model(policy_dir, "float32", device), load_tokenizer(str(policy_dir))
+    settings = training_memory(settings, policy_dir, settings.device)
+    model, tokenizer = load_model(policy_dir, "float32", settings.device), load_tokenizer(str(policy_dir))
     value_head = None
     if train_critic:
         value_head = ValueHead.load(policy_dir, model.config.hidden_size).to(model.device)
-    if config.lora_rank > 0:  # the config refuses LoRA with several processes
+    if settings.lora_rank > 0:  # the run config refuses LoRA with several processes
         from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules="all-linear")
+        lora = LoraConfig(r=settings.lora_rank, lora_alpha=settings.lora_alpha, target_modules="all-linear")
         # The adapters' random init draws from torch's global generator: seeded here, and under the
         # lock, so that no other thread (a value head built beside it) draws in between.
         with TRANSFORMERS_GLOBALS:
@@ -418,14 +481,13 @@ def train_policy(
         trained = Scorer(model)
         shard_model(trained)  # before the optimiser: sharding replaces the parameters
     optimizer, restored = None, 0
-    if config.lora_rank == 0:
-        optimizer = build_optimizer(model, config, value_head)
+    if settings.lora_rank == 0:
+        optimizer = build_optimizer(model, settings, value_head)
         restored = load_optimizer_state(optimizer, model, value_head, policy_dir)
     metrics = optimise_policy(
         trained,
         turns,
-        config=config,
-        temperature=temperature,
+        settings=settings,
         pad_token_id=tokenizer.pad_token_id,
         seed=seed,
         value_head=value_head,
@@ -433,7 +495,7 @@ def train_policy(
         report_progress=report_progress,
         ranks=ranks,
     )
-    if config.lora_rank > 0:
+    if settings.lora_rank > 0:
         model = model.merge_and_unload()
     writer = ranks.rank == 0
     optimizer_state = optimizer_tensors(optimizer, model, value_head, keep=writer) if optimizer else None
@@ -458,3 +520,140 @@ def gather_model(sharded: Scorer, policy_dir: str | Path, keep: bool) -> torch.n
     plain = load_model(policy_dir, "float32", "cpu")
     plain.load_state_dict({name.removeprefix("model."): tensor for name, tensor in state.items()})
     return plain
+
+
+def old_logprobs_recomputed(settings: PPOSettings, stale: bool) -> bool:
+    """Do the clipped ratio's old logprobs come from a forward pass of the trained policy? The
+    policy before the update generated the rollouts, so its old logprobs are the generation
+    logprobs whenever the generation forward is the training forward: the exact hf engine in
+    float32 (unless ppo.recompute_old_logprobs says otherwise). Rollouts of an older policy than
+    the one trained (ppo.max_staleness) are the decoupled case: the ratio is taken against the
+    trained policy's recomputed logprobs, the TIS weight corrects from the generating one."""
+    if stale and settings.recompute_old_logprobs is False:
+        raise ValueError(
+            "ppo-update of a newer policy than the one that generated the rollouts needs the trained policy's own "
+            "old logprobs: leave ppo.recompute_old_logprobs null"
+        )
+    if stale:
+        return True
+    if settings.recompute_old_logprobs is not None:
+        return settings.recompute_old_logprobs
+    return not exact_generation_logprobs(settings.generation_engine, settings.generation_dtype)
+
+
+def train_on_ranks(
+    inputs: Inputs,
+    settings: PPOSettings,
+    policy_dir: Path,
+    train_critic: bool,
+    seed: int,
+    report_progress: Callable[[float], None] | None,
+) -> tuple[TrainedOnRanks, dict[str, Any], PassCounts]:
+    """train_policy on settings.world_size processes (runtime/launch.py: torchrun here, or on
+    settings.nodes Ray nodes), each one a worker.py; returns what rank 0 wrote, the memory of the
+    largest rank (then each rank's) and every rank's passes."""
+    from stages.ppo_update import worker
+
+    work = inputs.scratch()
+    request = worker.write_request(
+        work,
+        turns_dir=inputs.folder("compute-advantages"),
+        policy_dir=policy_dir,
+        settings=settings,
+        train_critic=train_critic,
+        seed=seed,
+    )
+    placement = Placement(settings.world_size, settings.nodes, settings.ray_address, settings.requested_device)
+    nodes = run_on_ranks(worker.MODULE, request, placement, LOG.info, report_progress)
+    trained = TrainedOnRanks(work / worker.POLICY_FILES, **json.loads((work / worker.RESULT).read_text()))
+    ranks = trained.memory_per_rank
+    passes: PassCounts = {}
+    for rank in ranks:  # each rank's passes over its share
+        add_counts(passes, rank.pop("passes"))
+    # the largest rank's peak, as one process reports its own; then each rank's
+    memory = {name: max(rank[name] for rank in ranks) for name in ("rss_before_mb", "peak_rss_mb")}
+    return trained, {**memory, "ranks": ranks, "scope": "the largest rank", "nodes": nodes}, passes
+
+
+@dataclass
+class TrainedOnRanks:
+    """What rank 0 of a job on several processes wrote: the next policy's files and the metrics."""
+
+    files: Path
+    metrics: list[dict[str, float]]
+    optimizer_state_restored: int
+    memory_per_rank: list[dict[str, Any]]
+    train_s: float  # train_policy's wall time on rank 0 (without the processes' start-up)
+
+    def save(self, directory: Path) -> dict[str, Any]:
+        """Move the files into the store's temporary folder (same filesystem: a rename)."""
+        for path in sorted(self.files.iterdir()):
+            shutil.move(path, directory / path.name)
+        return {}
+
+
+AHEAD_THREAD = "experience-ahead"  # the flow's thread that makes the next batch beside an update
+
+
+def run(inputs: Inputs, settings: PPOSettings, report_progress: Callable[[float], None] | None = None) -> Output:
+    """ppo-update of the policy (input "policy": the one that generated the rollouts, or with
+    ppo.max_staleness a newer one) on a compute-advantages version, in this process or on
+    ppo.world_size processes; the next policy is written with its metrics."""
+    turns = inputs.load("compute-advantages")
+    rollouts_iteration = inputs.manifest("compute-advantages").iteration
+    generating = inputs.generating_policy("compute-advantages")
+    stale = generating.version != inputs.parents[POLICY]
+    policy_dir = inputs.folder(POLICY)  # its files checked once, here
+    settings = settings.model_copy(update={"recompute_old_logprobs": old_logprobs_recomputed(settings, stale)})
+    settings = training_memory(settings, policy_dir, settings.device)
+    train_critic = any(turns["values"])  # the estimator read the critic: it learns with the policy
+    seed = settings.seed + rollouts_iteration
+    # the resident set is the process's: with ppo.max_staleness the next batch, made in a thread beside
+    # this one, counts too (memory.scope says so; torchrun's ranks measure only themselves)
+    beside = any(thread.name.startswith(AHEAD_THREAD) for thread in threading.enumerate())
+    placement: dict[str, Any] = {}
+    with peak_memory() as memory, counting_passes() as passes, PHASES.span("stage_compute"):
+        if settings.world_size == 1:
+            trained = train_policy(
+                turns, policy_dir, settings, train_critic=train_critic, seed=seed, report_progress=report_progress
+            )
+        else:
+            trained, ranks_memory, rank_passes = train_on_ranks(
+                inputs, settings, policy_dir, train_critic, seed, report_progress
+            )
+            add_counts(passes, rank_passes)
+    memory["scope"] = "the process, with the next batch made beside it" if beside else "this stage"
+    if settings.world_size > 1:  # the ranks' memory, not this process's (which only waited for them)
+        placement["nodes"] = ranks_memory.pop("nodes")
+        memory = ranks_memory
+    fields = {
+        "metrics": metrics_summary(trained.metrics),
+        "memory": memory,
+        # what gradient_checkpointing / max_tokens_per_micro_batch were (null: chosen by the model's size)
+        "memory_settings": {
+            "parameters": parameter_count(policy_dir),
+            **settings.model_dump(include={"gradient_checkpointing", "max_tokens_per_micro_batch"}),
+        },
+        "optimizer_state_restored": trained.optimizer_state_restored,
+        "old_logprobs": "recomputed" if settings.recompute_old_logprobs else "generation",
+        # every pass over the policy, by kind, with its tokens (all ranks'; the audit's re-score is in
+        # "audit"); a pass a setting does not need is absent (old logprobs when the generation ones are
+        # exact, the recomputed forward without activation checkpointing)
+        "passes": passes,
+        "staleness": inputs.manifest(POLICY).iteration - generating.iteration,
+        **placement,
+    }
+    return Output(dataset_from_rows(trained.metrics, PPO_UPDATE), fields, save_policy=trained.save)
+
+
+STAGE = Stage(
+    name="ppo-update",
+    inputs=("compute-advantages", POLICY),
+    features=PPO_UPDATE,
+    settings=PPOSettings,
+    run=run,
+    rerun_from="compute-advantages",
+    writes_policy=True,
+    audits="compute-advantages",
+    continues_optimizer=lambda settings: settings.lora_rank == 0,
+)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from stages.policy import ValueHead
+from stages.policy.loading import ValueHead
 from stages.sharding import full_tensor, like_parameter
 
 OPTIMIZER_FILE = "optimizer.safetensors"

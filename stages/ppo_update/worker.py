@@ -1,16 +1,16 @@
 """One training process of a ppo-update on several processes (ppo.world_size > 1).
 
-pipeline/launch.py starts world_size of them with torchrun, on this machine or on ppo.nodes nodes of
-a Ray cluster (one torchrun per node):
+The ppo-update stage starts world_size of them with torchrun (runtime/launch.py), on this machine or
+on ppo.nodes nodes of a Ray cluster (one torchrun per node):
 
     torchrun --nnodes K --nproc-per-node N/K --rdzv-backend c10d --rdzv-endpoint HOST:PORT ... \\
         -m stages.ppo_update.worker WORK/request.json
 
 request.json (write_request) names the compute-advantages dataset (a folder of the store, audited and
-digest-checked by the task), the policy folder to train, the run config and the seed. Every
+digest-checked by the stage), the policy folder to train, ppo-update's settings and the seed. Every
 rank trains its share with stages.ppo_update.train_policy; rank 0 then writes the next
 policy's files into WORK/policy/ and WORK/result.json (the metrics rows, how much AdamW
-state continued, every rank's peak memory, the training time). The task publishes them through the store, so
+state continued, every rank's peak memory, the training time). The stage publishes them through the store, so
 the write stays atomic and digested; nothing here touches the store.
 """
 
@@ -27,25 +27,25 @@ import datasets
 import torch
 import torch.distributed as dist
 
+from runtime.launch import PROGRESS
 from runtime.memory import peak_memory
-from schemas.config import RunConfig
-from stages.policy import counting_passes
-from stages.ppo_update import train_policy
+from runtime.passes import counting_passes
+from stages.ppo_update import PPOSettings, train_policy
 from stages.sharding import init_ranks
 
-PROGRESS = "mtrl-progress"  # rank 0 prints "mtrl-progress 0.25" after each optimiser step (share done)
+MODULE = "stages.ppo_update.worker"  # what each rank runs: python -m MODULE WORK/request.json
 REQUEST, RESULT, POLICY_FILES = "request.json", "result.json", "policy"
 
 
 def write_request(
-    work: Path, *, turns_dir: Path, policy_dir: Path, config: RunConfig, train_critic: bool, seed: int
+    work: Path, *, turns_dir: Path, policy_dir: Path, settings: PPOSettings, train_critic: bool, seed: int
 ) -> Path:
     """WORK/request.json: what every rank of the job trains on and how (read back by main)."""
     request = work / REQUEST
     payload = {
         "turns": str(turns_dir),
         "policy_dir": str(policy_dir),
-        "config": config.model_dump(mode="json"),
+        "settings": json.loads(settings.to_json()),
         "train_critic": train_critic,
         "seed": seed,
     }
@@ -70,8 +70,8 @@ def progress_reporter(rank: int, memory: dict[str, float]) -> Callable[[float], 
 def main(request_path: str) -> None:
     work = Path(request_path).parent
     request = json.loads(Path(request_path).read_text())
-    config = RunConfig.model_validate(request["config"])
-    ranks = init_ranks(config.ppo.collective_timeout_s)
+    settings = PPOSettings.model_validate(request["settings"])
+    ranks = init_ranks(settings.collective_timeout_s)
     # the processes of the job, for ps or kill (the tests find them so)
     print(f"rank {ranks.rank} of {ranks.world_size}: pid {os.getpid()}, torchrun pid {os.getppid()}", flush=True)
     turns = datasets.load_from_disk(request["turns"])
@@ -80,11 +80,9 @@ def main(request_path: str) -> None:
         trained = train_policy(
             turns,
             request["policy_dir"],
-            config=config.ppo,
+            settings,
             train_critic=request["train_critic"],
-            temperature=config.generation.temperature,
             seed=request["seed"],
-            device=config.model.device,
             report_progress=progress_reporter(ranks.rank, memory),
             ranks=ranks,
         )

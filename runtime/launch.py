@@ -1,13 +1,14 @@
-"""ppo-update on several processes: launch and supervise a torchrun job (ppo.world_size > 1), on
-this machine or on several nodes of a Ray cluster (ppo.nodes > 1).
+"""A stage on several processes: launch and supervise a torchrun job of a module (ppo-update's
+worker, ppo.world_size > 1), on this machine or on several nodes of a Ray cluster (ppo.nodes > 1).
+No RL knowledge: the stage writes its request file and reads what rank 0 wrote beside it.
 
-The ppo-update task calls `train_with_torchrun` instead of training in its own process:
+`run_on_ranks(module, request, placement, log)`:
 
-  1. it writes WORK/request.json (the audited compute-advantages folder, the policy folder,
-     the config, the seed) into a hidden folder of the store, removed afterwards (or by the
-     store's clean-up of stale temporary folders if this process dies);
-  2. one torchrun per node runs world_size / nodes processes of `-m stages.ppo_update.worker
-     WORK/request.json` (--max-restarts 0: a failed rank fails the job, it is not retried;
+  1. the caller has written WORK/request.json into a hidden folder of the store (every node sees
+     it), removed afterwards (or by the store's clean-up of stale temporary folders if this
+     process dies);
+  2. one torchrun per node runs world_size / nodes processes of `-m MODULE WORK/request.json`
+     (--max-restarts 0: a failed rank fails the job, it is not retried;
      every line of a rank starts with its global rank, [rank<r>]:):
        - one node: torchrun is a child of this process;
        - K nodes: this process connects to the Ray cluster at runner.ray_address, reserves one
@@ -27,8 +28,8 @@ The ppo-update task calls `train_with_torchrun` instead of training in its own p
   5. nothing outlives the job: torchrun gets SIGTERM when the thread that started it ends
      (Linux PR_SET_PDEATHSIG), a SIGKILLed mtrl or a cancelled Ray task included, and stops its
      ranks on SIGTERM;
-  6. on success it returns what rank 0 wrote (the next policy's files, the metrics rows),
-     which the task publishes through store.write as in the single-process case.
+  6. on success it returns where the ranks ran; rank 0's files are in WORK for the caller (the
+     next policy's files, the metrics rows, which ppo-update publishes as in one process).
 
 No port is chosen before it is bound (a port found free and handed on can be taken meanwhile):
 on one machine torchrun's rendezvous store binds 127.0.0.1:0, as --standalone does; over Ray
@@ -41,10 +42,8 @@ which brings back a port found free and handed on).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -59,16 +58,15 @@ from typing import Any
 from runtime.processes import dies_with_this_thread
 from runtime.ray import ray_cluster
 from runtime.threads import THREAD_VARIABLES, threads_per_process
-from schemas.config import RunConfig
-from stages.ppo_update import worker
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository the workers must import, as this process does
+ROOT = Path(__file__).resolve().parents[1]  # the repository the workers must import, as this process does
+PROGRESS = "mtrl-progress"  # rank 0 prints "mtrl-progress 0.25" after each step: the share done
 LAST_LINES = 30  # of each torchrun's own output and of each rank's, kept to quote in a failure
 # TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE: torchrun --tee starts each line of a rank with "[rank<global rank>]:"
 # (its default, "[default<local rank>]:", would repeat the same numbers on every node)
 LINE_PREFIX_TEMPLATE = "[rank${rank}]:"
 RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:")
-PROGRESS_LINE = re.compile(rf"{worker.PROGRESS} ([0-9]+\.[0-9]+)")
+PROGRESS_LINE = re.compile(rf"{PROGRESS} ([0-9]+\.[0-9]+)")
 # After one node's torchrun failed, the others' ranks fail at their next collective (gloo notices a
 # closed peer within a second): their own reports are awaited this long, then their tasks cancelled.
 FAILURE_GRACE_S = 5.0
@@ -82,22 +80,17 @@ class TrainingProcessError(RuntimeError):
     """A training process exited with an error; the message names its rank."""
 
 
-@dataclass
-class TrainedOnRanks:
-    """What rank 0 of the job wrote: the next policy's files and the metrics rows."""
+@dataclass(frozen=True)
+class Placement:
+    """Where a job's processes run: `world_size` of them over `nodes` machines (one: this one;
+    more: distinct nodes of the Ray cluster at `ray_address`), each on `device` (a GPU each on
+    cuda; auto: a GPU where the node has one)."""
 
-    files: Path
-    metrics: list[dict[str, float]]
-    optimizer_state_restored: int
-    memory_per_rank: list[dict[str, Any]]
-    train_s: float  # train_policy's wall time on rank 0 (without the processes' start-up)
-    nodes: list[dict[str, Any]]  # per node: where it ran (its address; its Ray node id) and its ranks
-
-    def save(self, directory: Path) -> dict[str, Any]:
-        """Move the files into the store's temporary folder (same filesystem: a rename)."""
-        for path in sorted(self.files.iterdir()):
-            shutil.move(path, directory / path.name)
-        return {}
+    world_size: int
+    nodes: int = 1
+    ray_address: str | None = None
+    device: str = "auto"
+    stage: str = "ppo-update"  # named in the failure messages
 
 
 @dataclass
@@ -116,7 +109,14 @@ def node_name(nodes: list[dict[str, Any]], node: int) -> str:
 
 
 def torchrun_command(
-    request: Path, *, nnodes: int, nproc_per_node: int, rendezvous: str, host_rendezvous: bool, local_addr: str
+    module: str,
+    request: Path,
+    *,
+    nnodes: int,
+    nproc_per_node: int,
+    rendezvous: str,
+    host_rendezvous: bool,
+    local_addr: str,
 ) -> list[str]:
     """torchrun for this node's share of the ranks. `rendezvous` is the c10d store's HOST:PORT,
     which this torchrun binds when `host_rendezvous` (port 0: the kernel picks a free one);
@@ -135,7 +135,7 @@ def torchrun_command(
         "--tee=3",  # every line of a rank, prefixed with its rank (LINE_PREFIX_TEMPLATE)
         f"--log-dir={request.parent / 'logs'}",
         "-m",
-        "stages.ppo_update.worker",
+        module,
         str(request),
     ]
 
@@ -170,31 +170,31 @@ def torchrun_output(command: list[str], ranks_here: int) -> Iterator[str | int]:
 # ---------------------------------------------------------------------------------------
 
 
-def check_devices(config: RunConfig) -> None:
+def check_devices(placement: Placement) -> None:
     """One GPU per process on CUDA: fail before launching when there are fewer."""
     import torch
 
-    cuda = config.model.device == "cuda" or (config.model.device == "auto" and torch.cuda.is_available())
-    if cuda and torch.cuda.device_count() < config.ppo.world_size:
+    cuda = placement.device == "cuda" or (placement.device == "auto" and torch.cuda.is_available())
+    if cuda and torch.cuda.device_count() < placement.world_size:
         raise TrainingProcessError(
-            f"ppo.world_size={config.ppo.world_size} needs one GPU per process; "
-            f"this machine has {torch.cuda.device_count()}"
+            f"ppo.world_size={placement.world_size} needs one GPU per process; this machine has {torch.cuda.device_count()}"
         )
 
 
 @contextlib.contextmanager
-def torchrun_here(config: RunConfig, request: Path) -> Iterator[Job]:
+def torchrun_here(module: str, request: Path, placement: Placement) -> Iterator[Job]:
     """The job as one torchrun, a child of this process."""
-    check_devices(config)
+    check_devices(placement)
     command = torchrun_command(
+        module,
         request,
         nnodes=1,
-        nproc_per_node=config.ppo.world_size,
+        nproc_per_node=placement.world_size,
         rendezvous="127.0.0.1:0",
         host_rendezvous=True,
         local_addr="127.0.0.1",
     )
-    output = torchrun_output(command, config.ppo.world_size)
+    output = torchrun_output(command, placement.world_size)
     try:
         yield Job([{"address": socket.gethostname()}], ((0, item) for item in output))
     finally:
@@ -216,7 +216,9 @@ class RendezvousStore:
         return f"{self.address}:{self.store.port}"
 
 
-def torchrun_on_node(request: str, nnodes: int, nproc_per_node: int, rendezvous: str) -> Iterator[str | int]:
+def torchrun_on_node(
+    module: str, request: str, nnodes: int, nproc_per_node: int, rendezvous: str
+) -> Iterator[str | int]:
     """A Ray task on one node: that node's torchrun, its lines streamed back, then its exit code."""
     from ray.util import get_node_ip_address
 
@@ -227,6 +229,7 @@ def torchrun_on_node(request: str, nnodes: int, nproc_per_node: int, rendezvous:
             "must be on a filesystem every node sees, at the same path"
         )
     command = torchrun_command(
+        module,
         Path(request),
         nnodes=nnodes,
         nproc_per_node=nproc_per_node,
@@ -257,7 +260,7 @@ def node_streams(ray: Any, tasks: dict[Any, int], nodes: list[dict[str, Any]]) -
         except ray.exceptions.RayError as error:
             cause = getattr(error, "cause", None) or error  # a task's own exception, else Ray's
             raise TrainingProcessError(
-                f"ppo-update failed: the Ray task of {node_name(nodes, node)} failed; no policy was written.\n{cause}"
+                f"the Ray task of {node_name(nodes, node)} failed; nothing was written.\n{cause}"
             ) from None
         yield node, item
         if isinstance(item, int) and item != 0 and grace_ends is None:
@@ -265,16 +268,14 @@ def node_streams(ray: Any, tasks: dict[Any, int], nodes: list[dict[str, Any]]) -
 
 
 @contextlib.contextmanager
-def torchrun_on_ray(config: RunConfig, request: Path) -> Iterator[Job]:
-    """The job as one torchrun on each of ppo.nodes distinct nodes of the Ray cluster."""
-    nodes, per_node = config.ppo.nodes, config.ppo.world_size // config.ppo.nodes
-    with ray_cluster(config.runner.ray_address, purpose=f"ppo.nodes={nodes}") as ray:
+def torchrun_on_ray(module: str, request: Path, placement: Placement) -> Iterator[Job]:
+    """The job as one torchrun on each of placement.nodes distinct nodes of the Ray cluster."""
+    nodes, per_node = placement.nodes, placement.world_size // placement.nodes
+    with ray_cluster(placement.ray_address, purpose=f"ppo.nodes={nodes}") as ray:
         from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        gpus = config.model.device == "cuda" or (
-            config.model.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0
-        )
+        gpus = placement.device == "cuda" or (placement.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
         bundle = {"CPU": per_node, **({"GPU": per_node} if gpus else {})}
         group = placement_group([bundle] * nodes, strategy="STRICT_SPREAD")
         tasks: dict[Any, int] = {}
@@ -307,7 +308,7 @@ def torchrun_on_ray(config: RunConfig, request: Path) -> Iterator[Job]:
             )(torchrun_on_node)
             for i in range(nodes):
                 run = node_task.options(scheduling_strategy=on_node(i)).remote(
-                    str(request), nodes, per_node, rendezvous
+                    module, str(request), nodes, per_node, rendezvous
                 )
                 tasks[run] = i
             yield Job(where, node_streams(ray, tasks, where))
@@ -344,7 +345,11 @@ class RootCause:
 
 
 def failure_message(
-    failed: list[tuple[int, int]], world_size: int, tails: dict[str, deque[str]], job: Job | None = None
+    failed: list[tuple[int, int]],
+    world_size: int,
+    tails: dict[str, deque[str]],
+    job: Job | None = None,
+    stage: str = "ppo-update",
 ) -> str:
     """Which rank failed first and how, from the "Root Cause" that torchrun reports on each
     failed node (`failed`: (node, exit code) in the order they ended): the earliest one, and
@@ -364,13 +369,13 @@ def failure_message(
     own = "\n".join(tails.get(f"rank {cause.rank}", [])) if cause.rank is not None else ""
     report = "\n".join(tails[f"node {node}"])
     return (
-        f"ppo-update failed: training process {who}{where} died{how}; no policy was written.\n"
+        f"{stage} failed: training process {who}{where} died{how}; no policy was written.\n"
         f"Its last lines:\n{own}\ntorchrun{where}:\n{report}"
     )
 
 
 def supervise(
-    job: Job, world_size: int, log: Callable[[str], None], report_progress: Callable[[float], None] | None
+    job: Job, placement: Placement, log: Callable[[str], None], report_progress: Callable[[float], None] | None
 ) -> dict[int, set[int]]:
     """Read the job's events to their end: log every line (torchrun's own with its node when
     there are several), report rank 0's progress, keep the last lines of each rank and torchrun.
@@ -397,32 +402,23 @@ def supervise(
         # any other line, and a progress line that torchrun's tee glued to the next one
         log(f"[{job.name(node)}] {item}" if several and not rank else item)
     if failed:
-        raise TrainingProcessError(failure_message(failed, world_size, tails, job))
+        raise TrainingProcessError(failure_message(failed, placement.world_size, tails, job, placement.stage))
     return ranks_on
 
 
-def train_with_torchrun(
-    config: RunConfig,
-    *,
-    turns_dir: Path,
-    policy_dir: Path,
-    train_critic: bool,
-    seed: int,
-    work: Path,
+def run_on_ranks(
+    module: str,
+    request: Path,
+    placement: Placement,
     log: Callable[[str], None],
     report_progress: Callable[[float], None] | None = None,
-) -> TrainedOnRanks:
-    """Run the ppo-update as config.ppo.world_size processes on config.ppo.nodes nodes; returns
-    rank 0's results from `work`."""
-    work.mkdir(parents=True)
-    request = worker.write_request(
-        work, turns_dir=turns_dir, policy_dir=policy_dir, config=config, train_critic=train_critic, seed=seed
-    )
-    nodes = config.ppo.nodes
-    log(f"ppo-update on {config.ppo.world_size} processes, {config.ppo.world_size // nodes} on each of {nodes} node(s)")
-    launch = torchrun_on_ray if nodes > 1 else torchrun_here
-    with launch(config, request) as job:
-        ranks_on = supervise(job, config.ppo.world_size, log, report_progress)
-    result = json.loads((work / worker.RESULT).read_text())
-    placement = [{**where, "ranks": sorted(ranks_on[node])} for node, where in enumerate(job.nodes)]
-    return TrainedOnRanks(work / worker.POLICY_FILES, **result, nodes=placement)
+) -> list[dict[str, Any]]:
+    """Run `python -m MODULE REQUEST` as placement.world_size processes on placement.nodes nodes, to
+    the end; returns where they ran (per node: its address, its Ray node id, its ranks). What rank 0
+    wrote is in the request's folder."""
+    world, nodes = placement.world_size, placement.nodes
+    log(f"{placement.stage} on {world} processes, {world // nodes} on each of {nodes} node(s)")
+    launch = torchrun_on_ray if placement.nodes > 1 else torchrun_here
+    with launch(module, request, placement) as job:
+        ranks_on = supervise(job, placement, log, report_progress)
+    return [{**where, "ranks": sorted(ranks_on[node])} for node, where in enumerate(job.nodes)]
