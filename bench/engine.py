@@ -16,7 +16,7 @@ Sections of the JSON:
 - long_episode: one batch through the engine for --long-turns turns; seconds of every turn,
   and the last turn's time over the first's (does a turn get slower as the context grows?).
 - wide: --wide-rollouts rollouts x one turn through the engine: tokens/s.
-- ppo_update: the real stage function (stages.ppo_update.optimise_policy: old-logprob recompute,
+- ppo_update: the real stage function (stages.ppo_update.train.optimise_policy: old-logprob recompute,
   then forward + backward + AdamW) on B rollouts of S tokens (one turn: a --ppo-prompt-tokens
   prompt, the rest completion; "BxSr" spreads the lengths from S/8 to S; "BxSgG" gives groups of G
   rollouts one prompt, as a group's samples have), padded (one pass of B rows), packed
@@ -53,13 +53,13 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3C
 
 from runtime.memory import current_rss_bytes
 from runtime.passes import counting_passes
-from schemas.config import PPOConfig
+from schemas.config import PPOConfig, RunConfig
 from schemas.features import COMPUTE_ADVANTAGES, dataset_from_rows
 from stages.generate_rollouts.engine import Request, Sampling
 from stages.generate_rollouts.hf import HFEngine
 from stages.policy.batching import LARGE_MODEL_PARAMETERS, RolloutSequence, collate, memory_settings
 from stages.policy.scoring import forward_targets
-from stages.ppo_update import optimise_policy
+from stages.ppo_update import PPOSettings, optimise_policy
 
 
 def build_model(name: str, device: torch.device) -> torch.nn.Module:
@@ -221,7 +221,7 @@ def ppo_measure(
     else:
         rss_before = current_rss_bytes() / 1e9
     parts = variant.split("+")
-    config = PPOConfig(
+    ppo = PPOConfig(
         learning_rate=1e-6,
         minibatch_rollouts=batch,
         micro_batch_rollouts=batch,
@@ -231,14 +231,15 @@ def ppo_measure(
         logprob_chunk_tokens=4096,
         kl_coef=0.0,  # the synthetic rollouts have no reference logprobs: the update's own cost
     )
+    settings = PPOSettings.resolve(RunConfig(ppo=ppo, generation={"temperature": 1.0}))
     params = sum(p.numel() for p in model.parameters())
-    config = memory_settings(config, large=params >= LARGE_MODEL_PARAMETERS, on_gpu=device.type == "cuda")
+    settings = memory_settings(settings, large=params >= LARGE_MODEL_PARAMETERS, on_gpu=device.type == "cuda")
     times = []
     for repeat in range(3):  # the first run warms up
         synchronize(device)
         started = time.perf_counter()
         with counting_passes() as passes:
-            optimise_policy(model, turns, config=config, temperature=1.0, pad_token_id=0, seed=repeat)
+            optimise_policy(model, turns, settings=settings, pad_token_id=0, seed=repeat)
         synchronize(device)
         times.append(time.perf_counter() - started)
     seconds = sum(times[1:]) / len(times[1:])
@@ -253,9 +254,9 @@ def ppo_measure(
         "tokens": tokens,
         "variant": variant,
         "settings": {
-            "max_tokens_per_micro_batch": config.max_tokens_per_micro_batch,
-            "gradient_checkpointing": config.gradient_checkpointing,
-            "share_prefix": config.share_prefix,
+            "max_tokens_per_micro_batch": settings.max_tokens_per_micro_batch,
+            "gradient_checkpointing": settings.gradient_checkpointing,
+            "share_prefix": settings.share_prefix,
         },
         "passes": passes,
         "seconds_per_update": round(seconds, 4),

@@ -301,10 +301,10 @@ def prefect_unit_costs(repeats: int = 40) -> dict[str, float]:
 def run_iterations(runner: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """runner: `thread`, or `ray:N` for the ray runner with execute-tools split over N Ray tasks."""
     from pipeline.flows import rl_iteration
+    from pipeline.models import import_base_policy
     from pipeline.runners import stage_runner
     from pipeline.stage_table import POLICY
     from pipeline.store import Store
-    from pipeline.tasks import import_base_policy
     from schemas.config import RunConfig
 
     config = RunConfig(

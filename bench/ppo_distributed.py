@@ -1,6 +1,7 @@
 """ppo-update on one process and on two (ppo.world_size = 2, FSDP2 under torchrun): speed and
-peak memory per rank, through the stage's own launcher (pipeline.launch.train_with_torchrun,
-the worker stages.ppo_update.worker), so both world sizes run the same code path.
+peak memory per rank, through the stage's own launcher (runtime.launch.run_on_ranks with the
+request of stages.ppo_update.worker.write_request, the worker stages.ppo_update.worker, as
+stages.ppo_update.train_on_ranks runs them), so both world sizes run the same code path.
 
     python bench/ppo_distributed.py --out bench/results/ppo_distributed_cpu.json
 
@@ -32,10 +33,11 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/engine.py, beside this file
 from engine import synthetic_turns  # noqa: E402
 
-from pipeline.launch import train_with_torchrun  # noqa: E402
 from pipeline.models import EMBEDDED_POLICY  # noqa: E402
+from runtime.launch import Placement, run_on_ranks  # noqa: E402
 from schemas.config import RunConfig  # noqa: E402
 from stages.policy.loading import load_tokenizer  # noqa: E402
+from stages.ppo_update import PPOSettings, TrainedOnRanks, worker  # noqa: E402
 
 
 def random_policy(directory: Path, hidden: int, layers: int) -> int:
@@ -70,16 +72,16 @@ def measure(world_size: int, args: argparse.Namespace, folder: Path, turns_dir: 
         },
         model={"device": args.device},
     )
+    settings = PPOSettings.resolve(config)
     lines: list[str] = []
-    trained = train_with_torchrun(
-        config,
-        turns_dir=turns_dir,
-        policy_dir=policy_dir,
-        train_critic=False,
-        seed=0,
-        work=folder / f"work-{world_size}",
-        log=lines.append,
+    work = folder / f"work-{world_size}"
+    work.mkdir(parents=True)
+    request = worker.write_request(
+        work, turns_dir=turns_dir, policy_dir=policy_dir, settings=settings, train_critic=False, seed=0
     )
+    placement = Placement(settings.world_size, settings.nodes, settings.ray_address, settings.requested_device)
+    run_on_ranks(worker.MODULE, request, placement, lines.append)
+    trained = TrainedOnRanks(work / worker.POLICY_FILES, **json.loads((work / worker.RESULT).read_text()))
     tokens = sum(row["tokens"] for row in trained.metrics)
     ranks = [
         {

@@ -48,7 +48,7 @@ from stages.policy.batching import (  # noqa: E402
 )
 from stages.policy.loading import eos_token_ids, load_model, load_tokenizer  # noqa: E402
 from stages.policy.scoring import score_rollouts  # noqa: E402
-from stages.ppo_update import optimise_policy  # noqa: E402
+from stages.ppo_update import PPOSettings, optimise_policy  # noqa: E402
 
 
 def main() -> None:
@@ -83,7 +83,7 @@ def main() -> None:
         turns = turns.add_column(name, [[] for _ in advantages], feature=COMPUTE_ADVANTAGES[name])
 
     sequences = rollout_sequences(turns)
-    ppo = memory_settings(config.ppo, large=True)  # what the model's size picks on the CPU
+    ppo = memory_settings(PPOSettings.resolve(config), large=True)  # what the model's size picks on the CPU
     lengths = {
         "rollout_tokens_mean": statistics.mean(len(s.token_ids) for s in sequences),
         "first_prompt_tokens_mean": statistics.mean(s.target_positions[0] for s in sequences),
@@ -124,7 +124,7 @@ def main() -> None:
             trained = copy.deepcopy(model)
             started = time.perf_counter()
             optimise_policy(
-                trained, turns, config=ppo.model_copy(update={"share_prefix": share}), temperature=1.0,
+                trained, turns, settings=ppo.model_copy(update={"share_prefix": share}),
                 pad_token_id=tokenizer.pad_token_id, seed=0,
             )  # fmt: skip
             update_s = time.perf_counter() - started

@@ -69,7 +69,7 @@ def trl_child(out: Path, workdir: Path, spec: dict[str, Any]) -> None:
     from pipeline.models import resolve_model_dir
     from schemas.config import RunConfig
     from stages.environments import ENVIRONMENTS
-    from stages.task_mix import rollout_starts
+    from stages.generate_rollouts import GenerateSettings, rollout_starts
     from stages.tools import calculate
 
     imported = time.time()
@@ -78,8 +78,9 @@ def trl_child(out: Path, workdir: Path, spec: dict[str, Any]) -> None:
     groups = config.task.rollouts // config.task.group_size
     # one prompt per group, in mtrl's order; TRL samples each num_generations times
     rows = []
+    generating = GenerateSettings.resolve(config)
     for iteration in range(config.iterations):
-        for start in rollout_starts(config, iteration)[:: config.task.group_size]:
+        for start in rollout_starts(generating, iteration)[:: config.task.group_size]:
             task = json.loads(start["task_payload"])
             rows.append({"prompt": start["messages"], "task": json.dumps(task)})
     train = datasets.Dataset.from_list(rows)

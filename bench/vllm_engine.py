@@ -49,7 +49,7 @@ from runtime.vllm_server import vllm_version
 from schemas.config import RunConfig
 from schemas.token_stream import prompt_token_ids
 from stages.generate_rollouts import sampling_seed
-from stages.generate_rollouts.engine import Request, Sampling, open_engine
+from stages.generate_rollouts.engine import EngineSettings, Request, Sampling, open_engine
 from stages.policy.loading import load_model, load_tokenizer
 
 QUESTIONS = ["What is 12 * 7?", "Compute 3 + 4 - 9.", "How much is 81 / 9 + 2?", "What is 5 * (6 - 2)?"]
@@ -111,7 +111,7 @@ def generate_iteration(engine, model_dir: Path) -> dict:
 def measure(name: str, args, model_dir: Path, tokenizer, model, runs_dir: Path) -> dict:
     config = RunConfig(generation={"engine": name, "max_context_tokens": 4096}, store={"runs_dir": runs_dir})
     started = time.perf_counter()
-    engine = open_engine(model_dir, tokenizer, config)
+    engine = open_engine(model_dir, tokenizer, EngineSettings.resolve(config))
     start_s = time.perf_counter() - started
     observation = tokenizer.encode("\n<tool_response>\n42\n</tool_response>\n")[:16]
     result = {"engine_start_s": round(start_s, 2), "widths": []}

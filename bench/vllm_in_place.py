@@ -22,7 +22,7 @@ from pathlib import Path
 from runtime.vllm_server import vllm_version
 from schemas.config import RunConfig
 from schemas.token_stream import prompt_token_ids
-from stages.generate_rollouts.engine import Request, Sampling, open_engine
+from stages.generate_rollouts.engine import EngineSettings, Request, Sampling, open_engine
 from stages.policy.loading import load_tokenizer
 
 
@@ -36,18 +36,19 @@ def main() -> None:
         generation={"engine": "vllm", "max_new_tokens": 64, "max_context_tokens": 2048, "enable_thinking": False},
         store={"runs_dir": tempfile.mkdtemp(prefix="mtrl-in-place-")},
     )
+    settings = EngineSettings.resolve(config)
     tokenizer = load_tokenizer(args.target)
     prompt = prompt_token_ids(
         tokenizer, [{"role": "user", "content": "What is 12 * 7? Use the calculator."}], [], False
     )
     requests = [Request(i, prompt, 1000 + i, 48) for i in range(8)]
 
-    engine = open_engine(args.source, tokenizer, config)
+    engine = open_engine(args.source, tokenizer, settings)
     started = engine.update
     engine.load_policy(args.target)
     in_place, in_place_update = engine.generate(requests, Sampling(1.0)).completions, engine.update
     engine.close()
-    fresh = open_engine(args.target, tokenizer, config)
+    fresh = open_engine(args.target, tokenizer, settings)
     restarted, fresh_update = fresh.generate(requests, Sampling(1.0)).completions, fresh.update
     fresh.close()
 

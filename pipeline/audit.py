@@ -40,8 +40,8 @@ from schemas.features import GENERATE_ROLLOUTS, dataset_from_rows
 from schemas.stage import POLICY
 from schemas.token_stream import Rollout, generation_prompt_ids, prompt_token_ids, rollouts
 from stages.environments import Environment
-from stages.policy.loading import load_model, load_tokenizer
-from stages.policy.scoring import rescore_tolerance, score_rollouts
+from stages.policy.loading import load_model, load_tokenizer, rescore_tolerance
+from stages.policy.scoring import score_rollouts
 from stages.registry import Tasks, tool_schemas
 
 

@@ -411,9 +411,9 @@ class RerunnableStages:
     when argparse checks a name or prints them."""
 
     def names(self) -> list[str]:
-        from pipeline.stage_table import RERUN_FROM
+        from pipeline.stage_table import rerun_map
 
-        return list(RERUN_FROM)
+        return list(rerun_map())
 
     def __contains__(self, name: object) -> bool:
         return name in self.names()

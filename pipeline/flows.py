@@ -27,34 +27,32 @@ from prefect import flow, get_run_logger
 
 from pipeline import artifacts, lineage, retention
 from pipeline.artifacts import generation_progress, publish_summary
-from pipeline.audit import AuditReport, audit_before_training
-from pipeline.models import import_base_policy
+from pipeline.models import starting_policy
 from pipeline.prefect_settings import flow_heartbeats
 from pipeline.preflight import check_config
 from pipeline.runners import stage_runner
-from pipeline.stage_runs import run_stage, settings_of
-from pipeline.stage_table import POLICY, RERUN_FROM, STAGES
+from pipeline.stage_runs import open_engine, run_stage, settings_of
+from pipeline.stage_table import POLICY, STAGES, rerun_map
 from pipeline.store import Store
 from runtime.interrupt import INTERRUPTED
 from runtime.phases import PHASES
 from runtime.threads import use_threads
 from schemas.config import RunConfig
 from stages.generate_rollouts.engine import ENGINE
-from stages.policy.loading import load_tokenizer
 from stages.ppo_update import AHEAD_THREAD
 
 
 @dataclass(frozen=True)
 class Experience:
     """What an iteration makes before ppo-update, which reads only the generating policy (and the
-    reference): its store versions and its batch's passed audit."""
+    reference): its store versions and its rollouts' metrics."""
 
     iteration: int
     policy: str  # the generating policy
     turns: list[str]  # the execute-tools version of each turn
     rewarded: str  # assign-rewards
     advantaged: str  # compute-advantages: the batch ppo-update trains on
-    audit: AuditReport
+    metrics: dict[str, Any]  # the rollouts' (assign-rewards)
 
 
 def flow_start(config: RunConfig) -> Store:
@@ -85,7 +83,6 @@ def rl_iteration(
     store = flow_start(config)
     staleness = config.ppo.max_staleness
     with store.lock(), stage_runner(config.runner) as runner, PHASES.section("iteration"):
-        store.clean_stale_tmp()
         policy_version = policy_version or lineage.latest_policy(store) or starting_policy(store, config)
         iteration = store.manifest(POLICY, policy_version).iteration + 1 if iteration is None else iteration
         batch = batch or experience(config, iteration, lineage.policy_before(store, policy_version, staleness), runner)
@@ -96,27 +93,26 @@ def rl_iteration(
             )
         with ahead as next_batch:  # the update and its bookkeeping; the next batch is made beside them
             parents = {"compute-advantages": batch.advantaged, POLICY: policy_version}
-            updated = run_stage(config, "ppo-update", parents, audit=batch.audit.as_dict())
-            next_policy = store.manifest("ppo-update", updated).policy
-            prune_lineage(store, config, next_policy)
-            metrics = store.manifest("assign-rewards", batch.rewarded).metrics
+            updated = run_stage(config, "ppo-update", parents)  # its task audits the batch first
+            retention.prune_lineage(store, config.store.keep_optimizer_state, updated.policy)
+            metrics = batch.metrics
             get_run_logger().info(
                 "iteration %d: reward %.3f, success %.2f",
                 iteration,
                 metrics["reward_mean"] or 0,
                 metrics["success_rate"] or 0,
             )
-            publish_summary(store, next_policy, plot=plot)
+            publish_summary(store, updated.policy, plot=plot)
     return {
         "iteration": iteration,
         "policy": policy_version,
         "generating_policy": batch.policy,
-        "next_policy": next_policy,
+        "next_policy": updated.policy,
         "versions": {
             "execute-tools": batch.turns,
             "assign-rewards": batch.rewarded,
             "compute-advantages": batch.advantaged,
-            "ppo-update": updated,
+            "ppo-update": updated.version,
         },
         "metrics": metrics,
         "next_batch": made_ahead(next_batch),
@@ -128,7 +124,7 @@ def experience(
 ) -> Experience:
     """Everything of an iteration before ppo-update: its rollouts turn by turn (generate-rollouts,
     then execute-tools, until no rollout is active or the turn limit), their rewards and
-    advantages, and the audit (stored versions are found at once). `stop` (set when the thread
+    advantages (stored versions are found at once); ppo-update audits the batch before it trains. `stop` (set when the thread
     beside this one failed or was interrupted) ends it at the next turn or stage boundary."""
 
     def check_stop() -> None:
@@ -137,7 +133,6 @@ def experience(
         if stop is not None and stop.is_set():
             raise StoppedError(f"iteration {iteration}'s experience stopped: the thread beside it failed")
 
-    store = Store(config.store.runs_dir)
     turn_limit = settings_of("generate-rollouts", config).tasks.longest_turn_limit()
     progress = generation_progress(iteration, turn_limit)
     turns: list[str] = []  # the execute-tools version of each turn
@@ -152,20 +147,17 @@ def experience(
                 {"iteration": iteration, "turn": turn},
                 progress=artifacts.turn_stretch(progress, iteration, turn, turn_limit),
             )
-            turns.append(run_stage(config, "execute-tools", {"generate-rollouts": generated}, runner=runner))
-            if store.manifest("execute-tools", turns[-1]).active == 0:
+            executed = run_stage(config, "execute-tools", {"generate-rollouts": generated.version}, runner=runner)
+            turns.append(executed.version)
+            if executed.active == 0:
                 break
     progress.finish(f"iteration {iteration}: all rollouts stopped after {len(turns)} turn(s)")
     ENGINE.close(unless_it_reloads=True)  # free its memory for the stages that load models
     check_stop()
     rewarded = run_stage(config, "assign-rewards", {"execute-tools": turns[-1]}, runner=runner)
     check_stop()
-    advantaged = run_stage(config, "compute-advantages", {"assign-rewards": rewarded})
-    check_stop()
-    # ppo-update's gate, passed as soon as the batch exists (with ppo.max_staleness, beside the
-    # previous update); a batch that fails is never trained on
-    report = audit_before_training(store, advantaged, config, seed=config.seed + iteration)
-    return Experience(iteration, policy, turns, rewarded, advantaged, report)
+    advantaged = run_stage(config, "compute-advantages", {"assign-rewards": rewarded.version}).version
+    return Experience(iteration, policy, turns, rewarded.version, advantaged, rewarded.metrics)
 
 
 class StoppedError(Exception):
@@ -177,8 +169,7 @@ def made_beside(config: RunConfig, iteration: int, policy: str, runner: Any) -> 
     engine is opened (or updated and verified) here, in the flow's thread, before the thread
     starts: the hf engine loads its model in model.dtype, and a load sets the process's default
     dtype, which must not change while ppo-update's forward passes run beside it."""
-    policy_dir = Store(config.store.runs_dir).policy_dir(policy)
-    ENGINE.serving(policy_dir, load_tokenizer(str(policy_dir)), settings_of("generate-rollouts", config).engine)
+    open_engine(config, policy)
     return in_background(experience, config, iteration, policy, runner)
 
 
@@ -249,7 +240,6 @@ def warm_start(config: RunConfig) -> str:
     from with the same config."""
     store = flow_start(config)
     with store.lock():
-        store.clean_stale_tmp()
         return starting_policy(store, config)
 
 
@@ -261,34 +251,14 @@ def rerun_stage(config: RunConfig, stage: str, source: str, policy: str | None =
     `policy`: the policy ppo-update trains (default: the rollouts' generating policy)."""
     store = flow_start(config)
     source_stage, source_version = store.resolve(source)
-    if RERUN_FROM.get(stage) != source_stage:
-        choices = ", ".join(f"{name} --from {source}/VERSION" for name, source in RERUN_FROM.items())
+    if rerun_map().get(stage) != source_stage:
+        choices = ", ".join(f"{name} --from {source}/VERSION" for name, source in rerun_map().items())
         raise ValueError(f"`mtrl stage {stage}` cannot run on {source_stage}/VERSION; valid: {choices}")
     if policy is not None and stage != "ppo-update":
         raise ValueError(f"{stage} reads the policy of its rollouts' lineage; only ppo-update takes a policy")
     with store.lock(), stage_runner(config.runner) as runner:
         trains = {POLICY: policy} if policy else {}
-        version = run_stage(config, stage, {source_stage: source_version, **trains}, runner=runner)
+        made = run_stage(config, stage, {source_stage: source_version, **trains}, runner=runner)
         if STAGES[stage].writes_policy:
-            prune_lineage(store, config, store.manifest(stage, version).policy)
-        return version
-
-
-def starting_policy(store: Store, config: RunConfig) -> str:
-    """The policy RL starts from (and the KL reference): the imported model, or with sft.steps > 0
-    its warm start (a stored version: the same settings on the same model train once)."""
-    base = import_base_policy(store, config)
-    if config.sft.steps == 0:
-        return base
-    return store.manifest("sft", run_stage(config, "sft", {POLICY: base})).policy
-
-
-def prune_lineage(store: Store, config: RunConfig, policy_version: str) -> None:
-    """Retention after a ppo-update is stored whole (its metrics and the policy it wrote): a
-    crash before this point re-runs that update, which still finds its policy's AdamW state."""
-    keep = config.store.keep_optimizer_state
-    pruned = retention.prune_optimizer_states(store, policy_version, keep)
-    if pruned:
-        get_run_logger().info(
-            "retention (store.keep_optimizer_state=%d): pruned the AdamW state of policy %s", keep, ", ".join(pruned)
-        )
+            retention.prune_lineage(store, config.store.keep_optimizer_state, made.policy)
+        return made.version

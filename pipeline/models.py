@@ -20,6 +20,7 @@ from runtime.hashing import file_digest, file_digests, version_key
 from schemas.config import RunConfig
 from schemas.stage import POLICY
 from schemas.token_stream import chat_template_hash
+from stages.generate_rollouts import check_context_budget
 from stages.policy.loading import ModelError, load_tokenizer
 from stages.registry import Tasks, check_tools_reach_the_model
 from stages.sft import DemonstrationTasks
@@ -172,15 +173,24 @@ def chat_template_override(setting: str | None) -> str | None:
     return path.read_text()
 
 
+def check_starting_model(config: RunConfig) -> None:
+    """The starting model before any work: it is there, it takes the context budget, its tokenizer has
+    a chat template and that template tells the model its tools (ModelError, ValueError)."""
+    from transformers import AutoConfig
+
+    model_config = AutoConfig.from_pretrained(resolve_model_dir(config.model.path))
+    starting_tokenizer(config)
+    check_context_budget(config.generation.max_context_tokens, model_config.max_position_embeddings)
+
+
 def starting_tokenizer(config: RunConfig) -> Any:
     """The starting model's tokenizer as the run will use it (model.chat_template applied), checked
     before any work: it has a chat template and that template tells the model its tools."""
     model = resolve_model(config.model.path)
-    tokenizer = load_tokenizer(model.folder, chat_template_override(config.model.chat_template))
-    thinking = config.generation.enable_thinking
-    check_tools_reach_the_model(tokenizer, Tasks.resolve(config), thinking, str(model.source))
-    if config.sft.steps > 0:  # the warm start's tasks too
-        check_tools_reach_the_model(tokenizer, DemonstrationTasks.resolve(config), thinking, str(model.source))
+    template = chat_template_override(config.model.chat_template)
+    tokenizer = load_tokenizer(model.folder, template)
+    mixes = [Tasks.resolve(config)] + ([DemonstrationTasks.resolve(config)] if config.sft.steps > 0 else [])
+    check_tools_reach_the_model(tokenizer, mixes, config.generation.enable_thinking, str(model.source))
     return tokenizer
 
 
@@ -210,3 +220,14 @@ def import_base_policy(store: Store, config: RunConfig) -> str:
 
     store.write(POLICY, version, fill, {"iteration": -1, "code_version": IMPORTED_CODE_VERSION})
     return version
+
+
+def starting_policy(store: Store, config: RunConfig) -> str:
+    """The policy RL starts from (and the KL reference): the imported model, or with sft.steps > 0
+    its warm start (a stored version: the same settings on the same model train once)."""
+    base = import_base_policy(store, config)
+    if config.sft.steps == 0:
+        return base
+    from pipeline.stage_runs import run_stage  # the warm start is a stage run (it imports this module)
+
+    return run_stage(config, "sft", {POLICY: base}).policy

@@ -17,15 +17,11 @@ class ConfigError(ValueError):
 def check_config(config: RunConfig) -> None:
     """What the config's own validation cannot know (registries, installed extras, the model),
     checked before any work is done: a ConfigError says what is wrong."""
-    from transformers import AutoConfig
-
-    from pipeline.models import resolve_model_dir, starting_tokenizer
+    from pipeline.models import check_starting_model
     from runtime.ray import RayError, check_ray_address
     from stages.compute_advantages import ESTIMATORS
-    from stages.generate_rollouts import check_context_budget
     from stages.generate_rollouts.engine import ENGINES
-    from stages.policy.loading import ModelError
-    from stages.registry import Tasks, check_tasks, load_plugins
+    from stages.registry import Tasks, check_run_tasks, load_plugins
     from stages.sft import DemonstrationTasks, check_demonstrations, demonstrators
 
     try:
@@ -33,16 +29,11 @@ def check_config(config: RunConfig) -> None:
     except ImportError as exc:
         raise ConfigError(f"task.plugins: cannot import {exc.name!r}: {exc}") from None
     try:
-        mixes = [Tasks.resolve(config)] + ([DemonstrationTasks.resolve(config)] if config.sft.steps > 0 else [])
-        names = [name for tasks in mixes for name in tasks.names()]
-        for setting in ("options", "tools"):
-            strangers = sorted(set(getattr(config.task, setting)) - set(names))
-            if strangers:
-                raise ValueError(f"task.{setting} names {strangers}, which the run does not use (tasks: {names})")
-        for tasks in mixes:
-            check_tasks(tasks, config.tools.sandbox)
-        if config.sft.steps > 0:
-            check_demonstrations(demonstrators(mixes[-1]))
+        warm_start = [DemonstrationTasks.resolve(config)] if config.sft.steps > 0 else []
+        per_task = {"task.options": list(config.task.options), "task.tools": list(config.task.tools)}
+        check_run_tasks([Tasks.resolve(config), *warm_start], config.tools.sandbox, per_task)
+        for tasks in warm_start:
+            check_demonstrations(demonstrators(tasks))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if config.generation.engine not in ENGINES:
@@ -68,11 +59,6 @@ def check_config(config: RunConfig) -> None:
         except RayError as exc:
             raise ConfigError(str(exc)) from None
     try:
-        model_config = AutoConfig.from_pretrained(resolve_model_dir(config.model.path))
-        check_context_budget(config.generation.max_context_tokens, model_config.max_position_embeddings)
-    except (ModelError, ValueError) as exc:
-        raise ConfigError(str(exc)) from None
-    try:
-        starting_tokenizer(config)  # a template that hides the tools from the model fails here
+        check_starting_model(config)  # a template that hides the tools from the model fails here
     except ValueError as exc:  # ModelError too
         raise ConfigError(str(exc)) from None

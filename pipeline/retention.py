@@ -57,3 +57,17 @@ def prune_optimizer_states(store: Store, policy_version: str, keep: int) -> list
     for version in reversed(prunable):
         store.prune(POLICY, version, [OPTIMIZER_FILE], reason)
     return prunable[::-1]
+
+
+def prune_lineage(store: Store, keep: int, policy_version: str) -> list[str]:
+    """Retention after a ppo-update is stored whole (its metrics and the policy it wrote): a crash
+    before this point re-runs that update, which still finds its policy's AdamW state. Logs what it
+    pruned in the current Prefect run; returns it."""
+    pruned = prune_optimizer_states(store, policy_version, keep)
+    if pruned:
+        from prefect import get_run_logger
+
+        get_run_logger().info(
+            "retention (store.keep_optimizer_state=%d): pruned the AdamW state of policy %s", keep, ", ".join(pruned)
+        )
+    return pruned

@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from runtime.ray import RunnerError, check_ray_address, import_ray, worker_environment
+from runtime.ray import RunnerError, import_ray, worker_environment
 from schemas.config import RunnerConfig
 
 
@@ -60,8 +60,8 @@ def stage_runner(config: RunnerConfig) -> Iterator[Any | None]:
     temp_dir = None
     if ray.is_initialized():  # e.g. rl-training's Ray, reused by each rl-iteration
         runner = RayTaskRunner()
-    elif config.ray_address:  # the cluster's workers do not inherit this process's environment
-        check_ray_address(config.ray_address)
+    elif config.ray_address:  # the cluster's workers do not inherit this process's environment (the
+        # flow's pre-flight checks found the cluster answering at the address)
         workers_environment = {"env_vars": {"PREFECT_API_URL": api_url, **worker_environment()}}
         runner = RayTaskRunner(address=config.ray_address, init_kwargs={"runtime_env": workers_environment})
     else:

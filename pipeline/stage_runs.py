@@ -2,7 +2,7 @@
 inputs from the store, calls its `run` (declared in its module, schemas/stage.py) and writes its
 output as a new version (docs/architecture.md).
 
-    run_stage(config, "assign-rewards", {"execute-tools": last_turn})
+    rewarded = run_stage(config, "assign-rewards", {"execute-tools": last_turn})   # its manifest
 
 finds the inputs it is not given through the lineage (the rollouts' policy, the KL reference),
 resolves the stage's settings from the run config, and computes its version before it runs.
@@ -38,21 +38,24 @@ from schemas.config import RunConfig
 from schemas.features import token_counts
 from schemas.manifest import Manifest
 from schemas.stage import Settings, Stage
+from stages.generate_rollouts.engine import ENGINE
+from stages.policy.loading import load_tokenizer
 from stages.registry import load_plugins
 
 POLICY_CODE_VERSION = "1"  # the layout of a stored policy (a save_pretrained folder + optimiser state)
 
 
-@functools.lru_cache(maxsize=64)
-def _settings(name: str, config_json: str) -> Settings:
-    return STAGES[name].settings.resolve(RunConfig.model_validate_json(config_json))
-
-
 def settings_of(name: str, config: RunConfig) -> Settings:
     """A stage's settings in this run config, resolved once per process and config (the code of the
     task mix's environments is hashed when they are)."""
-    load_plugins(config.task.plugins)  # a Ray worker has not imported them yet
     return _settings(name, config.model_dump_json())
+
+
+@functools.lru_cache(maxsize=64)
+def _settings(name: str, config_json: str) -> Settings:
+    config = RunConfig.model_validate_json(config_json)
+    load_plugins(config.task.plugins)  # a Ray worker has not imported them yet
+    return STAGES[name].settings.resolve(config)
 
 
 class StoredInputs:
@@ -210,10 +213,11 @@ def run_stage(
     position: dict[str, int] | None = None,
     runner: Any | None = None,
     **given: Any,
-) -> str:
+) -> Manifest:
     """Run a stage on these inputs (in this process, or on `runner` for a stage that may run on Ray);
     the inputs it reads and is not given are found through the lineage (lineage.input_of); its
-    version is known before it runs. `given`: see write_version."""
+    version is known before it runs. Returns the version's manifest (its version, the rollouts a
+    turn left active, the policy an update wrote, its metrics). `given`: see write_version."""
     stage, store, position = STAGES[name], Store(config.store.runs_dir), position or {}
     if stage.continues_optimizer is not None:
         config = optimizer_start(config, store, stage, parents, position)
@@ -226,8 +230,18 @@ def run_stage(
     if given:
         parameters["given"] = given
     if runner is not None and stage.distributed:
-        return runner.submit(configured, parameters).result()
-    return configured(**parameters)
+        runner.submit(configured, parameters).result()
+    else:
+        configured(**parameters)
+    return store.manifest(name, version)
+
+
+def open_engine(config: RunConfig, policy: str) -> None:
+    """Open (or update and verify) the process's generation engine for `policy` now, in this thread:
+    the hf engine loads its model in model.dtype, and a load sets the process's default dtype, which
+    must not change while another thread's forward passes run (a batch made beside an update)."""
+    policy_dir = Store(config.store.runs_dir).policy_dir(policy)
+    ENGINE.serving(policy_dir, load_tokenizer(str(policy_dir)), settings_of("generate-rollouts", config).engine)
 
 
 def optimizer_start(

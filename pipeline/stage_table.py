@@ -26,8 +26,11 @@ STAGES: dict[str, Stage] = {
     )
 }
 
-# `mtrl stage NAME --from STAGE/VERSION`: each stage that re-runs on one stored input, and that input
-RERUN_FROM = {name: stage.rerun_from for name, stage in STAGES.items() if stage.rerun_from}
+
+def rerun_map() -> dict[str, str]:
+    """`mtrl stage NAME --from STAGE/VERSION`: each stage that re-runs on one stored input, and that input."""
+    return {name: stage.rerun_from for name, stage in STAGES.items() if stage.rerun_from}
+
 
 ROOT = Path(__file__).resolve().parent.parent
 # Every stage's output depends on the row schema, the token-stream contract and the stage contract.
@@ -71,4 +74,4 @@ def stage_version(name: str, settings: Settings, parents: dict[str, str], positi
     return version_key(name, code_version(name), hashed, parents)
 
 
-__all__ = ["POLICY", "RERUN_FROM", "ROOT", "STAGES", "code_files", "code_version", "stage_version"]
+__all__ = ["POLICY", "ROOT", "STAGES", "code_files", "code_version", "rerun_map", "stage_version"]

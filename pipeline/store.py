@@ -176,6 +176,7 @@ class Store:
             raise MissingVersionError(stage, version, self.root)
         return Manifest.model_validate_json(path.read_text())
 
+    @PHASES.timed("store_reads")
     def load(self, stage: str, version: str, verify: bool = True) -> datasets.Dataset:
         """The dataset of a version; its files are checked against the manifest's digests first
         (xxh3 runs at several GB/s), so an edited or corrupted version is never used silently."""
@@ -222,11 +223,9 @@ class Store:
         if not STAGE_NAME.fullmatch(stage) or not prefix:
             raise StoreError(f"'{reference}' is not STAGE/VERSION; stages in {self.root}: {', '.join(self.stages())}")
         folder = self.root / stage
-        matches = (
-            sorted(p.name for p in folder.iterdir() if p.name.startswith(prefix) and (p / MANIFEST).is_file())
-            if folder.is_dir()
-            else []
-        )
+        if not folder.is_dir():
+            raise StoreError(f"unknown stage '{stage}': stages in {self.root}: {', '.join(self.stages())}")
+        matches = sorted(p.name for p in folder.iterdir() if p.name.startswith(prefix) and (p / MANIFEST).is_file())
         if len(matches) != 1:
             found = "no version" if not matches else f"{len(matches)} versions"
             raise StoreError(f"{found} of {stage} match '{prefix}' in {self.root}")
@@ -391,10 +390,12 @@ class Store:
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
         """Exclusive use of the store by one training run at a time (an OS file lock, released
-        when the process dies): two scheduled iterations never interleave their writes."""
+        when the process dies): two scheduled iterations never interleave their writes. Taking it
+        removes what writers that died left (clean_stale_tmp)."""
         self.root.mkdir(parents=True, exist_ok=True)
         with open(self.root / ".lock", "w") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
+            self.clean_stale_tmp()
             try:
                 yield
             finally:

@@ -87,11 +87,27 @@ def module_closure(entries: list[Path], root: Path, packages: tuple[str, ...]) -
     return sorted(seen)
 
 
+def _runs(tree: ast.AST) -> list[ast.AST]:
+    """The nodes of a module, less the blocks under `if TYPE_CHECKING:` (imports for type hints
+    only: they never run, so they shape nothing)."""
+    found, todo = [], [tree]
+    while todo:
+        node = todo.pop()
+        found.append(node)
+        test = node.test if isinstance(node, ast.If) else None
+        if test is not None and ast.unparse(test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            todo += node.orelse
+            continue
+        todo += ast.iter_child_nodes(node)
+    return found
+
+
 @functools.cache  # closures share most of their files: each is parsed once per process
 def imported_files(path: Path, root: Path, packages: tuple[str, ...]) -> list[Path]:
-    """The source files of `packages` that this one imports (absolute imports)."""
+    """The source files of `packages` that this one imports (absolute imports; not those under
+    `if TYPE_CHECKING:`)."""
     imported = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _runs(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:

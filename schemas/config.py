@@ -2,8 +2,9 @@
 
 Loaded from YAML (`mtrl run --config FILE`), overridden by CLI flags, and used as the
 Prefect flow's parameter schema. Every field has a type, a range, a description and a
-default that works for the CPU demo. Each stage hashes only its own section(s) into its
-version, so changing the estimator leaves rollouts cached.
+default that works for the CPU demo. No stage reads this model or hashes this module: each stage
+declares the fields it reads (its settings, schemas/stage.py) and its version hashes their values,
+so a help text edited here versions nothing, and changing the estimator leaves rollouts cached.
 """
 
 from __future__ import annotations
@@ -451,7 +452,7 @@ class StoreConfig(Section):
     """Where versions are stored and how long a policy's AdamW state is kept (retention). No stage
     hashes these fields: retention deletes only what continuing training needs, never data, and
     the fresh AdamW that fresh_optimizer_if_pruned lets ppo-update start is hashed into that
-    update's version as the derived value fresh_optimizer, where it takes effect."""
+    update's version (its setting fresh_optimizer), where it takes effect."""
 
     runs_dir: Path = Field(Path("runs"), description="Root of the versioned store.")
     keep_optimizer_state: int = Field(
@@ -466,7 +467,7 @@ class StoreConfig(Section):
         False,
         description="A ppo-update that would continue an AdamW state that retention pruned (training an older "
         "policy again) fails, naming the policy; true trains it with a fresh AdamW instead, as a new ppo-update "
-        "version that records it (derived: fresh_optimizer). An update already stored is reused either way.",
+        "version that records it (its setting fresh_optimizer). An update already stored is reused either way.",
     )
 
 

@@ -26,12 +26,13 @@ import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Self
+from typing import TYPE_CHECKING, Any, Protocol, Self
 
 import datasets
 from pydantic import BaseModel, ConfigDict, Field
 
-from schemas.manifest import Manifest
+if TYPE_CHECKING:  # a manifest is bookkeeping: editing it versions nothing
+    from schemas.manifest import Manifest
 
 POLICY = "policy"  # the other kind of stored version: a checkpoint written by a stage that trains
 

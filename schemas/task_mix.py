@@ -4,6 +4,10 @@ the stages (to sample tasks), so it sits here, below both."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
+from pydantic import BeforeValidator
+
 
 def parse_task_mix(name: str) -> list[tuple[str, float]]:
     """(environment, weight) pairs of a task mix such as 'calculator:3,weather:1'; weights default to 1."""
@@ -20,9 +24,8 @@ def parse_task_mix(name: str) -> list[tuple[str, float]]:
     return pairs
 
 
-def groups_per_task(mix: str, groups: int) -> list[str]:
+def groups_per_task(pairs: list[tuple[str, float]], groups: int) -> list[str]:
     """The environment of each of `groups` groups: the weights split them by largest remainder."""
-    pairs = parse_task_mix(mix)
     total = sum(weight for _, weight in pairs)
     exact = [groups * weight / total for _, weight in pairs]
     counts = [int(x) for x in exact]
@@ -30,3 +33,7 @@ def groups_per_task(mix: str, groups: int) -> list[str]:
     for i in by_remainder[: groups - sum(counts)]:
         counts[i] += 1
     return [env for (env, _), count in zip(pairs, counts) for _ in range(count)]
+
+
+# A settings field holding a task mix as its (environment, weight) pairs, read from its text.
+TaskMix = Annotated[list[tuple[str, float]], BeforeValidator(lambda v: parse_task_mix(v) if isinstance(v, str) else v)]

@@ -24,7 +24,7 @@ from pydantic import computed_field
 
 from runtime.hashing import source_version
 from schemas.stage import Settings, read
-from schemas.task_mix import parse_task_mix
+from schemas.task_mix import TaskMix
 from schemas.token_stream import prompt_token_ids
 from stages.ecosystem import ADAPTERS, adapted_environment, import_adapter, is_adapted
 from stages.environments import ENVIRONMENTS, Environment
@@ -43,7 +43,7 @@ def load_plugins(modules: list[str]) -> None:
 class Tasks(Settings):
     """The tasks of a run as the stages meet them: the mix of environments and how each is set up."""
 
-    mix: str = read("task.name")  # 'calculator', or a weighted mix 'calculator:3,weather:1'
+    mix: TaskMix = read("task.name")  # (environment, weight) of 'calculator' or 'calculator:3,weather:1'
     max_turns: int | None = read("task.max_turns")
     options: dict[str, dict[str, Any]] = read("task.options")
     offered_tools: dict[str, list[str]] = read("task.tools")
@@ -51,7 +51,7 @@ class Tasks(Settings):
     mcp_servers: list[dict[str, Any]] = read("tools.mcp_servers")
 
     def names(self) -> list[str]:
-        return [name for name, _ in parse_task_mix(self.mix)]
+        return [name for name, _ in self.mix]
 
     def environment(self, name: str) -> Environment:
         """The environment of a task name: a registered one (the built-in tasks and plugins'), or an
@@ -127,6 +127,19 @@ def tool_schemas(environment: Environment, tools: dict[str, Any]) -> list[dict[s
     return [tool_schema(tools[tool]) for tool in environment.tools]
 
 
+def check_run_tasks(mixes: list[Tasks], sandbox: bool, settings_by_task: dict[str, list[str]]) -> None:
+    """The task mixes of a run (RL's, and the warm start's) before any work: check_tasks of each, and
+    every task named by a per-task setting (`settings_by_task`: task.options, task.tools -> the task
+    names they hold) is one the run uses."""
+    names = [name for tasks in mixes for name in tasks.names()]
+    for setting, named in settings_by_task.items():
+        strangers = sorted(set(named) - set(names))
+        if strangers:
+            raise ValueError(f"{setting} names {strangers}, which the run does not use (tasks: {names})")
+    for tasks in mixes:
+        check_tasks(tasks, sandbox)
+
+
 def check_tasks(tasks: Tasks, sandbox: bool) -> None:
     """Every task of the mix is registered or adapted and starts a task; its tools are registered,
     have a JSON schema (a typed signature and a docstring with an Args section) and, in the sandbox,
@@ -158,22 +171,22 @@ def check_tasks(tasks: Tasks, sandbox: bool) -> None:
                 raise ValueError(f"tool '{tool}' of environment '{name}' {NOT_SANDBOXABLE}")
 
 
-def check_tools_reach_the_model(tokenizer: Any, tasks: Tasks, enable_thinking: bool, model: str) -> None:
-    """Every task's tools are in the prompt the model sees. A chat template without a tools
-    section (SmolLM2's, for one) renders the same tokens with and without them: the model would
-    never be told its tools exist, and RL would train on regardless."""
-    tools = tasks.tools()
-    for name in tasks.names():
-        found = tasks.environment(name)
-        schemas = tool_schemas(found, tools)
+def check_tools_reach_the_model(tokenizer: Any, mixes: list[Tasks], enable_thinking: bool, model: str) -> None:
+    """Every task's tools (of every task mix of the run: RL's, the warm start's) are in the prompt the
+    model sees. A chat template without a tools section (SmolLM2's, for one) renders the same tokens
+    with and without them: the model would never be told its tools exist, and RL would train on
+    regardless."""
+    found = [(tasks.environment(name), name, tasks.tools()) for tasks in mixes for name in tasks.names()]
+    for environment, name, tools in found:
+        schemas = tool_schemas(environment, tools)
         if not schemas:
             continue  # a task without tools (a text game) has none to show
-        messages = found.reset(found.sample_task(random.Random(0)))
+        messages = environment.reset(environment.sample_task(random.Random(0)))
         prompt = prompt_token_ids(tokenizer, messages, schemas, enable_thinking)
         if prompt == prompt_token_ids(tokenizer, messages, None, enable_thinking):
             raise ValueError(
                 f"{model}: its chat template renders the same {len(prompt)} tokens with and without the tools of "
-                f"task '{name}' ({', '.join(found.tools)}), so the model would never be told they exist. Set "
+                f"task '{name}' ({', '.join(environment.tools)}), so the model would never be told they exist. Set "
                 "model.chat_template to a template that renders tools: hermes (the Hermes tool-calling template mtrl "
                 "ships, for ChatML models such as SmolLM2 and Qwen) or a Jinja file"
             )

@@ -29,7 +29,7 @@ from runtime.memory import peak_memory
 from runtime.phases import PHASES
 from schemas.features import SFT, dataset_from_rows
 from schemas.stage import POLICY, Inputs, Output, Settings, Stage, read
-from schemas.task_mix import parse_task_mix
+from schemas.task_mix import TaskMix
 from schemas.token_stream import assistant_token_ids, generation_prompt_ids, observation_token_ids, prompt_token_ids
 from stages.environments import Environment
 from stages.policy.batching import RolloutSequence, collate, micro_batches, shares_prefix, training_memory
@@ -45,7 +45,7 @@ Demonstrator = tuple[Environment, list[dict[str, Any]], float]  # an environment
 
 
 class DemonstrationTasks(Tasks):
-    mix: str = read("sft.task", "task.name")  # the warm start's task mix may differ from RL's
+    mix: TaskMix = read("sft.task", "task.name")  # the warm start's task mix may differ from RL's
 
 
 class SFTSettings(Settings):
@@ -67,7 +67,7 @@ def demonstrators(tasks: Tasks) -> list[Demonstrator]:
     """The environments of the warm start's task mix, as the run sets them up (task.options,
     task.tools), with the tool schemas their prompts show and their weights."""
     tools = tasks.tools()
-    mix = [(tasks.environment(name), weight) for name, weight in parse_task_mix(tasks.mix)]
+    mix = [(tasks.environment(name), weight) for name, weight in tasks.mix]
     return [(found, tool_schemas(found, tools), weight) for found, weight in mix]
 
 

@@ -6,11 +6,23 @@ import math
 
 import pytest
 
-from schemas.config import AdvantageConfig
+from schemas.config import RunConfig
 from schemas.features import ASSIGN_REWARDS, dataset_from_rows
-from stages.compute_advantages import ESTIMATORS, NEEDS_VALUES, compute_advantages, get_estimator, register
+from stages.compute_advantages import (
+    ESTIMATORS,
+    NEEDS_VALUES,
+    AdvantageSettings,
+    compute_advantages,
+    get_estimator,
+    register,
+)
 
 SQRT3 = math.sqrt(3.0)
+
+
+def advantage_settings(**advantage) -> AdvantageSettings:
+    """compute-advantages' settings of a run config with these advantage.* fields (the rest default)."""
+    return AdvantageSettings.resolve(RunConfig(advantage=advantage))
 
 
 def turns(rollouts):
@@ -71,7 +83,7 @@ def test_grpo_normalises_by_the_unbiased_group_std():
             outcome(5, 1, 1.0),
         ]
     )
-    out = compute_advantages(data, AdvantageConfig(estimator="grpo", epsilon=1e-6))
+    out = compute_advantages(data, advantage_settings(estimator="grpo", epsilon=1e-6))
     expected = {0: 0.5 * SQRT3, 1: -0.5 * SQRT3, 2: -0.5 * SQRT3, 3: 0.5 * SQRT3, 4: 0.0, 5: 0.0}
     assert per_rollout(out) == pytest.approx(expected, rel=1e-5)
     assert [len(a) for a in out["advantages"]] == [3, 2, 4, 1, 1, 1, 1]  # every completion token
@@ -80,14 +92,14 @@ def test_grpo_normalises_by_the_unbiased_group_std():
 
 def test_dr_grpo_does_not_divide_by_the_std():
     data = turns([outcome(0, 0, 1.0), outcome(1, 0, 0.0), outcome(2, 0, 0.0), outcome(3, 0, 0.0)])
-    out = per_rollout(compute_advantages(data, AdvantageConfig(estimator="grpo", normalize_by_std=False)))
+    out = per_rollout(compute_advantages(data, advantage_settings(estimator="grpo", normalize_by_std=False)))
     assert out == pytest.approx({0: 0.75, 1: -0.25, 2: -0.25, 3: -0.25})
 
 
 def test_rloo_subtracts_the_mean_of_the_others():
     # r = 1,0,0,1: for a 1 the others average 1/3 -> +2/3; for a 0 they average 2/3 -> -2/3
     data = turns([outcome(0, 0, 1.0), outcome(1, 0, 0.0), outcome(2, 0, 0.0), outcome(3, 0, 1.0), outcome(4, 1, 3.0)])
-    out = per_rollout(compute_advantages(data, AdvantageConfig(estimator="rloo")))
+    out = per_rollout(compute_advantages(data, advantage_settings(estimator="rloo")))
     assert out == pytest.approx({0: 2 / 3, 1: -2 / 3, 2: -2 / 3, 3: 2 / 3, 4: 3.0})  # a group of one: no baseline
 
 
@@ -102,9 +114,9 @@ def test_a_failed_rollout_does_not_move_its_groups_baseline():
             outcome(3, 0, float("nan"), failed=True, lengths=(2, 3)),
         ]
     )
-    out = per_rollout(compute_advantages(data, AdvantageConfig(estimator="grpo", epsilon=1e-9)))
+    out = per_rollout(compute_advantages(data, advantage_settings(estimator="grpo", epsilon=1e-9)))
     assert out == pytest.approx({0: 2 / 3 * SQRT3, 1: -1 / 3 * SQRT3, 2: -1 / 3 * SQRT3, 3: 0.0})
-    rloo = per_rollout(compute_advantages(data, AdvantageConfig(estimator="rloo")))
+    rloo = per_rollout(compute_advantages(data, advantage_settings(estimator="rloo")))
     assert rloo == pytest.approx({0: 1.0, 1: -0.5, 2: -0.5, 3: 0.0})
 
 
@@ -112,7 +124,7 @@ def test_reinforce_plus_plus_discounts_then_whitens_over_the_batch():
     # gamma 0.5: rollout 0 (2 tokens, reward 1): returns [0.5, 1]; rollout 1 (3 tokens, 0): [0, 0, 0]
     # all 5 tokens: mean 0.3, unbiased var 0.8/4 = 0.2 -> advantages (x - 0.3) / sqrt(0.2)
     data = turns([outcome(0, 0, 1.0, lengths=(2,)), outcome(1, 1, 0.0, lengths=(3,))])
-    out = compute_advantages(data, AdvantageConfig(estimator="reinforce++", gamma=0.5, epsilon=1e-12))
+    out = compute_advantages(data, advantage_settings(estimator="reinforce++", gamma=0.5, epsilon=1e-12))
     s = math.sqrt(0.2)
     assert tokens_of(out, "returns") == {0: pytest.approx([0.5, 1.0]), 1: pytest.approx([0, 0, 0])}
     assert tokens_of(out, "advantages") == {
@@ -125,7 +137,7 @@ def test_reinforce_plus_plus_baseline_centres_by_group_then_whitens():
     # group scores 1, 0 -> centred 0.5, -0.5 on 1 and 2 tokens: [0.5, -0.5, -0.5]
     # mean -1/6, unbiased var (4/9 + 1/9 + 1/9) / 2 = 1/3 -> [2/3, -1/3, -1/3] * sqrt(3)
     data = turns([outcome(0, 0, 1.0, lengths=(1,)), outcome(1, 0, 0.0, lengths=(2,))])
-    out = compute_advantages(data, AdvantageConfig(estimator="reinforce++-baseline", epsilon=1e-12))
+    out = compute_advantages(data, advantage_settings(estimator="reinforce++-baseline", epsilon=1e-12))
     assert tokens_of(out, "advantages") == {
         0: pytest.approx([2 / 3 * SQRT3], rel=1e-5),
         1: pytest.approx([-1 / 3 * SQRT3] * 2, rel=1e-5),
@@ -141,7 +153,7 @@ def test_gae_steps_over_observation_tokens_with_per_turn_rewards():
     #   t0: delta = 0 + 0.9*0.4 - 0.2 = 0.16               A = 0.16 + 0.72*0.928 = 0.82816
     #   returns = A + V = [1.02816, 1.328, 1.0]
     data = turns([(0, 0, 1.0, False, [(2, 0.5), (1, 0.0)])])
-    config = AdvantageConfig(estimator="gae", gamma=0.9, lam=0.8, whiten_gae=False)
+    config = advantage_settings(estimator="gae", gamma=0.9, lam=0.8, whiten_gae=False)
     out = compute_advantages(data, config, values=[[0.2, 0.4], [0.6]])
     assert tokens_of(out, "advantages")[0] == pytest.approx([0.82816, 0.928, 0.4], rel=1e-5)
     assert tokens_of(out, "returns")[0] == pytest.approx([1.02816, 1.328, 1.0], rel=1e-5)
@@ -153,7 +165,7 @@ def test_kl_penalty_in_the_reward_is_subtracted_per_token():
     # reward 1 on 2 tokens with penalties [0.1, 0.2]: token rewards [-0.1, 0.8], returns (gamma 1) [0.7, 0.8]
     data = turns([outcome(0, 0, 1.0, lengths=(2,)), outcome(1, 1, 0.0, lengths=(1,))])
     out = compute_advantages(
-        data, AdvantageConfig(estimator="reinforce++"), kl_penalty=[[0.1, 0.2], [0.0]], ref_logprobs=[[-1, -2], [-3]]
+        data, advantage_settings(estimator="reinforce++"), kl_penalty=[[0.1, 0.2], [0.0]], ref_logprobs=[[-1, -2], [-3]]
     )
     assert tokens_of(out, "returns") == {0: pytest.approx([0.7, 0.8]), 1: pytest.approx([0.0])}
     assert out["ref_logprobs"][0] == [-1.0, -2.0]
@@ -173,24 +185,28 @@ def test_the_first_iterations_reference_logprobs_are_its_exact_generation_logpro
     pass; they agree within 1e-5, and so do the advantages with the KL penalty in the reward."""
     from pipeline.evaluate import run_episodes
     from pipeline.models import EMBEDDED_POLICY
-    from schemas.config import PPOConfig, RunConfig
     from stages.compute_advantages import score_with_policies
     from stages.generate_rollouts.hf import HFEngine
-    from stages.policy.loading import eos_token_ids
+    from stages.policy.loading import eos_token_ids, exact_generation_logprobs
 
     model, tokenizer = tiny
-    config = RunConfig(task={"rollouts": 8, "group_size": 4, "max_turns": 2}, generation={"max_new_tokens": 48})
-    assert config.exact_generation_logprobs()
+    config = RunConfig(
+        task={"rollouts": 8, "group_size": 4, "max_turns": 2},
+        generation={"max_new_tokens": 48},
+        model={"device": "cpu"},
+        ppo={"kl_in": "reward", "kl_coef": 0.05},
+    )
+    assert exact_generation_logprobs(config.generation.engine, config.model.dtype)
     engine = HFEngine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode)
     rewarded = run_episodes(engine, tokenizer, config)
-    ppo = PPOConfig(kl_in="reward", kl_coef=0.05)
-    common = {"critic_dir": None, "reference_dir": EMBEDDED_POLICY, "ppo": ppo, "temperature": 1.0, "device": "cpu"}
-    scored = score_with_policies(rewarded, **common)
-    reused = score_with_policies(rewarded, **common, reference_generated=True)
+    settings = AdvantageSettings.resolve(config)
+    common = {"critic_dir": None, "reference_dir": EMBEDDED_POLICY}
+    scored = score_with_policies(rewarded, settings, **common)
+    reused = score_with_policies(rewarded, settings, **common, reference_generated=True)
     for fresh, stored in zip(scored["ref_logprobs"], reused["ref_logprobs"]):
         assert len(fresh) == len(stored) and max((abs(a - b) for a, b in zip(fresh, stored)), default=0) < 1e-5
-    by_forward = compute_advantages(rewarded, AdvantageConfig(), **scored)
-    by_reuse = compute_advantages(rewarded, AdvantageConfig(), **reused)
+    by_forward = compute_advantages(rewarded, settings, **scored)
+    by_reuse = compute_advantages(rewarded, settings, **reused)
     for fresh, stored in zip(by_forward["advantages"], by_reuse["advantages"]):
         assert max((abs(a - b) for a, b in zip(fresh, stored)), default=0) < 1e-5
     assert sum(len(a) for a in by_reuse["advantages"]) > 0

@@ -8,7 +8,7 @@ import pytest
 from pipeline.audit import audit
 from pipeline.store import Store, StoreError
 from schemas.config import RunConfig
-from stages.registry import registered_tools, run_environments
+from stages.registry import Tasks
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
@@ -33,14 +33,14 @@ def run(tmp_path_factory):
 
 def check(run, turns):
     store, _, tokenizer, _ = run
-    config = RunConfig()  # the calculator task, as the run's
+    tasks = Tasks.resolve(RunConfig())  # the calculator task, as the run's
     return audit(
         turns,
         store,
         tokenizer,
         enable_thinking=True,
-        environments=run_environments(config),
-        tools=registered_tools(config),
+        environments=tasks.environments(),
+        tools=tasks.tools(),
         rescore_fraction=1.0,
         rescore_tolerance=1e-3,
     )

@@ -26,9 +26,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.launch import TrainingProcessError
 from pipeline.stage_table import POLICY
 from pipeline.store import Store
+from runtime.launch import TrainingProcessError
 from schemas.config import RunConfig
 from stages.policy.loading import ValueHead, load_model
 from stages.ppo_update.checkpoint import OPTIMIZER_FILE
@@ -111,22 +111,21 @@ def test_two_processes_continue_adamw_and_train_the_same_policy_as_one(two_itera
 
 
 def test_the_state_saved_by_two_processes_continues_on_one(two_iterations):
-    from stages.ppo_update import train_policy
+    from stages.ppo_update import PPOSettings, train_policy
 
     config, results, store = two_iterations
     advantaged = results[1]["versions"]["compute-advantages"]
     on_one, on_two = update(config, advantaged), update(config, advantaged, world_size=2)
     turns = store.load("compute-advantages", advantaged)
+    settings = PPOSettings.resolve(config.with_overrides({"model.device": "cpu"}))  # one process, on the CPU
     continued = []
     for version in (on_one, on_two):
         trained = train_policy(
             turns,
             store.policy_dir(store.manifest("ppo-update", version).policy),
-            config=config.ppo,
+            settings,
             train_critic=True,
-            temperature=config.generation.temperature,
             seed=7,
-            device="cpu",
         )
         assert trained.optimizer_state_restored == len(list(trained.model.parameters())) + 2
         continued.append(trained.model.state_dict())
@@ -344,7 +343,7 @@ def root_cause(time: str, rank: int, exitcode: int) -> list[str]:
 def test_the_failure_names_the_rank_torchrun_reports_first_and_quotes_its_last_lines():
     from collections import deque
 
-    from pipeline.launch import failure_message
+    from runtime.launch import failure_message
 
     tails = {
         "node 0": deque(root_cause("2026-11-25_10:03:12", 1, 1)),
@@ -361,7 +360,7 @@ def test_over_several_nodes_the_failure_is_the_earliest_root_cause_and_names_its
     whichever torchrun ends first, the earliest report names the rank that died first."""
     from collections import deque
 
-    from pipeline.launch import Job, failure_message
+    from runtime.launch import Job, failure_message
 
     job = Job([{"address": "10.0.0.1"}, {"address": "10.0.0.2"}], iter(()))
     tails = {
@@ -380,10 +379,11 @@ def test_over_several_nodes_the_failure_is_the_earliest_root_cause_and_names_its
 
 
 def test_a_node_that_cannot_see_the_runs_directory_says_so(tmp_path):
-    from pipeline.launch import torchrun_on_node
+    from runtime.launch import torchrun_on_node
+    from stages.ppo_update.worker import MODULE
 
     with pytest.raises(TrainingProcessError, match="must be on a filesystem every node sees"):
-        next(torchrun_on_node(str(tmp_path / "elsewhere" / "request.json"), 2, 1, "127.0.0.1:1"))
+        next(torchrun_on_node(MODULE, str(tmp_path / "elsewhere" / "request.json"), 2, 1, "127.0.0.1:1"))
 
 
 def test_nodes_must_divide_the_world_size_and_need_a_ray_cluster():

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.stage_table import HASHED_PACKAGES, ROOT, STAGES
+from pipeline.stage_table import HASHED_PACKAGES, ROOT, STAGES, code_files
 from runtime.hashing import imported_files, module_closure
 
 LAYERS = ("schemas", "runtime", "stages", "pipeline")  # lowest first: a module imports its own layer or lower
@@ -112,98 +112,154 @@ def test_stages_never_import_each_other():
 
 # Per stage: files its version must hash, and files it must not (they do not shape its output).
 MUST = {
-    "generate-rollouts": {"stages/task_mix.py", "stages/registry.py", "stages/tools.py", "stages/environments.py",
-                          "stages/policy.py",
+    "generate-rollouts": {"stages/registry.py", "stages/tools.py", "stages/environments.py", "schemas/task_mix.py",
+                          "stages/policy/loading.py", "schemas/stage.py",
                           "stages/generate_rollouts/hf.py", "stages/generate_rollouts/vllm_engine.py",
                           "stages/generate_rollouts/vllm_extension/mtrl_vllm_extension.py"},
     "execute-tools": {"stages/execute_tools/calls.py", "stages/registry.py", "stages/tools.py",
                       "stages/environments.py", "stages/python_tool.py"},
-    "assign-rewards": {"stages/assign_rewards.py", "stages/environments.py"},
-    "compute-advantages": {"stages/compute_advantages.py", "stages/policy.py"},
-    "ppo-update": {"stages/ppo_update/__init__.py", "stages/ppo_update/worker.py", "stages/ppo_update/checkpoint.py",
-                   "stages/policy.py", "stages/sharding.py"},
+    "assign-rewards": {"stages/assign_rewards.py", "stages/environments.py", "stages/registry.py"},
+    "compute-advantages": {"stages/compute_advantages.py", "stages/policy/batching.py", "stages/policy/scoring.py"},
+    "ppo-update": {"stages/ppo_update/__init__.py", "stages/ppo_update/train.py", "stages/ppo_update/worker.py",
+                   "stages/ppo_update/checkpoint.py",
+                   "stages/policy/batching.py", "stages/policy/scoring.py", "stages/sharding.py"},
     # demonstrations are rendered as the rollouts' token streams and scored as PPO scores
-    "sft": {"stages/sft.py", "stages/environments.py", "stages/registry.py", "stages/policy.py",
+    "sft": {"stages/sft.py", "stages/environments.py", "stages/registry.py", "stages/policy/scoring.py",
             "schemas/token_stream.py"},
 }  # fmt: skip
 MUST_NOT = {
-    # the tool sandbox runs calls: generation renders the tools' schemas only
+    # the tool sandbox runs calls: generation renders the tools' schemas only; it scores and trains nothing
     "generate-rollouts": {"stages/execute_tools/calls.py", "stages/execute_tools/worker.py", "stages/sharding.py",
-                          "stages/ppo_update/__init__.py", "stages/compute_advantages.py"},
+                          "stages/ppo_update/__init__.py", "stages/compute_advantages.py",
+                          "stages/policy/batching.py", "stages/policy/scoring.py"},
     # the vLLM and HF engines generate; tools never need them. An ecosystem adapter is hashed
     # through its task's environment code, in the runs that use it only (stages/registry.py)
     "execute-tools": {"stages/generate_rollouts/vllm_engine.py", "stages/generate_rollouts/hf.py",
-                      "stages/generate_rollouts/__init__.py", "stages/task_mix.py", "stages/policy.py",
+                      "stages/generate_rollouts/__init__.py", "stages/policy/batching.py", "stages/policy/scoring.py",
                       "stages/ecosystem/reasoning_gym.py", "stages/ecosystem/textarena.py",
                       "stages/ecosystem/openenv.py", "stages/ecosystem/mcp.py"},
-    "assign-rewards": {"stages/execute_tools/calls.py", "stages/policy.py", "stages/generate_rollouts/__init__.py"},
+    "assign-rewards": {"stages/execute_tools/calls.py", "stages/policy/loading.py", "stages/generate_rollouts/__init__.py"},
     "compute-advantages": {"stages/ppo_update/__init__.py", "stages/sharding.py", "stages/generate_rollouts/hf.py"},
-    # (the torchrun/Ray launcher, pipeline/launch.py, decides where the ranks run, as ppo.nodes does:
-    # like all of pipeline/ and runtime/ it is never hashed, which the test below checks for every stage)
-    "ppo-update": {"stages/generate_rollouts/__init__.py"},
+    "ppo-update": {"stages/generate_rollouts/__init__.py", "stages/compute_advantages.py"},
     # it starts from an imported model: no rollouts, no tool sandbox, no PPO optimiser state
     "sft": {"stages/ppo_update/__init__.py", "stages/ppo_update/checkpoint.py", "stages/generate_rollouts/__init__.py",
             "stages/execute_tools/calls.py", "stages/sharding.py"},
 }  # fmt: skip
+# What no stage hashes: the run config's module (help texts, every stage's fields: a stage reads its
+# settings and hashes their values), the manifest (bookkeeping), the launchers and samplers of
+# runtime/ and all of pipeline/ (the test below)
+NEVER = {"schemas/config.py", "schemas/manifest.py"}
 
 
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_a_stage_version_hashes_exactly_the_code_that_shapes_its_output(stage):
-    hashed = {str(path.relative_to(ROOT)) for path in STAGES[stage].code_files}
+    hashed = {str(path.relative_to(ROOT)) for path in code_files(stage)}
     assert MUST[stage] <= hashed, f"{stage} does not hash {sorted(MUST[stage] - hashed)}"
-    assert not MUST_NOT[stage] & hashed, f"{stage} hashes {sorted(MUST_NOT[stage] & hashed)}, which do not shape it"
+    assert not (MUST_NOT[stage] | NEVER) & hashed, f"{stage} hashes {sorted((MUST_NOT[stage] | NEVER) & hashed)}"
     outside = sorted(path for path in hashed if path.split("/")[0] not in HASHED_PACKAGES)
     assert not outside, f"{stage} hashes {outside}: only stages/ and schemas/ shape a stage's output"
 
 
 def test_runtime_and_pipeline_are_never_followed_into_a_closure(tmp_path):
-    """A stage may use a launcher or a sampler of runtime/ without hashing it."""
+    """A stage may use a launcher or a sampler of runtime/ without hashing it, and an import for type
+    hints only (under `if TYPE_CHECKING:`) never runs: it is not followed either."""
     user = tmp_path / "user.py"
     user.write_text(
-        "from runtime.memory import peak_memory\nfrom pipeline.store import Store\nimport schemas.features\n"
+        "from typing import TYPE_CHECKING\nfrom runtime.memory import peak_memory\nfrom pipeline.store import Store\n"
+        "import schemas.features\nif TYPE_CHECKING:\n    from schemas.manifest import Manifest\n"
     )
     closure = {str(path) for path in module_closure([user], ROOT, HASHED_PACKAGES)}
     assert closure == {str(user), str(ROOT / "schemas/features.py")}
 
 
-STAGE_VERSIONS = """
-import json
-from pipeline.stage_table import STAGES
-from pipeline.tasks import stage_version
+# One iteration's versions as a run chains them (each stage's parents are the versions before it),
+# computed in the tree the process runs from, with the run config's overrides given as JSON.
+CHAINED_VERSIONS = """
+import json, sys
+from pipeline.stage_runs import POLICY_CODE_VERSION, settings_of
+from pipeline.stage_table import POLICY, stage_version
+from runtime.hashing import version_key
 from schemas.config import RunConfig
-print(json.dumps({name: stage_version(RunConfig(), name, {}, {}) for name in STAGES}))
+
+config = RunConfig.model_validate_json(sys.argv[1])  # the copy's defaults, overridden
+
+
+def version(name, parents, position=None):
+    return stage_version(name, settings_of(name, config), parents, position or {})
+
+
+start = "starting-policy"
+made = {"generate-rollouts": version("generate-rollouts", {POLICY: start}, {"iteration": 0, "turn": 0})}
+made["execute-tools"] = version("execute-tools", {"generate-rollouts": made["generate-rollouts"], POLICY: start})
+made["assign-rewards"] = version("assign-rewards", {"execute-tools": made["execute-tools"]})
+made["compute-advantages"] = version("compute-advantages", {"assign-rewards": made["assign-rewards"]})
+made["ppo-update"] = version("ppo-update", {"compute-advantages": made["compute-advantages"], POLICY: start})
+made["policy"] = version_key(POLICY, POLICY_CODE_VERSION, {}, {"ppo-update": made["ppo-update"]})
+made["sft"] = version("sft", {POLICY: start})
+print(json.dumps(made))
 """
+ITERATION = ("generate-rollouts", "execute-tools", "assign-rewards", "compute-advantages", "ppo-update", "policy")
 
 
 @pytest.mark.slow
-def test_editing_the_vllm_server_process_versions_nothing_and_editing_the_vllm_engine_versions_rollouts(tmp_path):
-    """In a copy of mtrl: a log line added to runtime/vllm_server.py (how the server process starts,
-    is watched and stops) leaves every stage's version; one added to the engine (what it asks the
-    server for) gives generate-rollouts a new one, on the hf engine too (the module registers vllm)."""
+def test_a_version_changes_exactly_when_what_its_stage_computes_changes(tmp_path):
+    """In a copy of mtrl, edit and compute one iteration's versions each time:
+    - a config field's help text, the vLLM server process, the torchrun launcher, the flow: no version;
+    - the stale-rollouts rule of ppo-update: ppo-update and the policy it writes, nothing upstream;
+    - a setting only compute-advantages reads: compute-advantages and its consumers, not the rollouts;
+    - another stage's setting (a default only ppo-update reads): ppo-update and its policy only;
+    - the vLLM engine (what it asks the server for): generate-rollouts and what follows it, on the
+      hf engine too (the module registers vllm); the warm start not."""
     copy = tmp_path / "mtrl"
-    for package in HASHED_PACKAGES + ("pipeline", "runtime"):
-        shutil.copytree(ROOT / package, copy / package, ignore=shutil.ignore_patterns("__pycache__"))
+    for package in LAYERS:
+        shutil.copytree(ROOT / package, copy / package, ignore=shutil.ignore_patterns("__pycache__", "embedded"))
+    shutil.copytree(ROOT / "pipeline" / "embedded", copy / "pipeline" / "embedded")
 
-    def versions() -> dict[str, str]:
+    def versions(config: dict | None = None) -> dict[str, str]:
         env = {**os.environ, "PYTHONPATH": str(copy)}
         done = subprocess.run(
-            [sys.executable, "-c", STAGE_VERSIONS], cwd=copy, env=env, capture_output=True, text=True, timeout=300
+            [sys.executable, "-c", CHAINED_VERSIONS, json.dumps(config or {})],
+            cwd=copy,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    def edit(path: str) -> None:
-        (copy / path).write_text((copy / path).read_text() + '\nLOG_NAME = "vllm-server.log"  # an edit\n')
+    def edit(path: str, old: str, new: str) -> None:
+        text = (copy / path).read_text()
+        assert text.count(old) == 1, f"{path}: the text to edit is not there once"
+        (copy / path).write_text(text.replace(old, new))
 
-    from pipeline.tasks import stage_version
-    from schemas.config import RunConfig
+    def changed(after: dict[str, str]) -> set[str]:
+        return {name for name in before if after[name] != before[name]}
 
-    before = {name: stage_version(RunConfig(), name, {}, {}) for name in STAGES}  # this tree's: the same files
-    edit("runtime/vllm_server.py")
-    assert versions() == before
-    edit("stages/generate_rollouts/vllm_engine.py")
-    after = versions()
-    assert after["generate-rollouts"] != before["generate-rollouts"]
-    assert {name: v for name, v in after.items() if name != "generate-rollouts"} == {
-        name: v for name, v in before.items() if name != "generate-rollouts"
-    }
+    before = versions()
+    edit("schemas/config.py", '"Wall-clock limit per tool call, in seconds."', '"Seconds a tool call may take."')
+    edit(
+        "runtime/vllm_server.py",
+        "class EngineError(RuntimeError):",
+        "LOG_NAME = 'vllm.log'\n\n\nclass EngineError(RuntimeError):",
+    )
+    edit("runtime/launch.py", "LAST_LINES = 30", "LAST_LINES = 40")
+    edit("pipeline/flows.py", "def experience(", "def _an_edit() -> None:\n    pass\n\n\ndef experience(")
+    assert changed(versions()) == set()
+
+    edit(
+        "stages/ppo_update/__init__.py",
+        "    if stale:\n        return True\n",
+        "    if stale or settings.tis_cap > 1:\n        return True\n",
+    )
+    assert changed(after := versions()) == {"ppo-update", "policy"}
+    before = after
+
+    assert changed(versions({"advantage": {"gamma": 0.5}})) == {"compute-advantages", "ppo-update", "policy"}
+
+    edit("schemas/config.py", "weight_decay: float = Field(0.0,", "weight_decay: float = Field(0.01,")
+    assert changed(after := versions()) == {"ppo-update", "policy"}
+    before = after
+
+    edit("stages/generate_rollouts/vllm_engine.py", 'SERVED_MODEL_NAME = "policy"', 'SERVED_MODEL_NAME = "the-policy"')
+    assert changed(versions()) == set(ITERATION)

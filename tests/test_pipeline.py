@@ -297,11 +297,38 @@ def test_gae_with_kl_in_the_reward_and_lora_over_two_iterations(tmp_path):
     assert png.is_file() and len(curve.splitlines()) == 3
 
 
+def test_a_new_stage_is_one_module_and_one_registration_line(first_run, monkeypatch):
+    """tests/plugin_stage.py declares a stage as docs/extending.md shows; registered in the stage
+    table (one line), `mtrl stage` re-runs it on a stored input: its task, version, manifest and
+    re-run entry all come from the declaration."""
+    import plugin_stage
+
+    from pipeline import stage_table
+    from pipeline.cli import RerunnableStages
+    from pipeline.flows import rerun_stage
+
+    monkeypatch.setitem(stage_table.STAGES, plugin_stage.STAGE.name, plugin_stage.STAGE)  # the registration line
+    assert "token-budget" in RerunnableStages() and stage_table.rerun_map()["token-budget"] == "assign-rewards"
+    config, (result,), store = first_run
+    source = f"assign-rewards/{result['versions']['assign-rewards']}"
+    version = rerun_stage(config, "token-budget", source)
+    manifest = store.manifest("token-budget", version)
+    assert manifest.parents == {"assign-rewards": result["versions"]["assign-rewards"]}
+    assert manifest.settings == {"max_new_tokens": 64} and manifest.metrics["budget_used_max"] <= 1.0
+    rows = store.load("token-budget", version)
+    rewarded = store.load("assign-rewards", result["versions"]["assign-rewards"])
+    assert rows["budget_used"] == pytest.approx([len(ids) / 64 for ids in rewarded["completion_token_ids"]])
+    assert stage_table.code_files("token-budget")[-1].name == "plugin_stage.py"  # its module is its code
+    assert rerun_stage(config, "token-budget", source) == version  # stored: found, not computed again
+    wider = config.with_overrides({"generation.max_new_tokens": 80})
+    assert rerun_stage(wider, "token-budget", source) != version  # its setting is in its version
+
+
 def test_a_second_engine_plugs_in_by_name_without_touching_the_flow(first_run, tmp_path):
     """An engine registered in ENGINES is selected by generation.engine: here the HF engine
     re-encoding every turn (no KV reuse) gives the flow the same sampled tokens."""
     from pipeline.flows import rl_training
-    from stages.generate_rollouts import ENGINES
+    from stages.generate_rollouts.engine import ENGINES
     from stages.generate_rollouts.hf import HFEngine
 
     class ReEncodingEngine(HFEngine):

@@ -10,7 +10,7 @@ import torch
 
 from pipeline.evaluate import run_episodes
 from runtime.passes import counting_passes
-from schemas.config import PPOConfig, RunConfig
+from schemas.config import RunConfig
 from schemas.features import COMPUTE_ADVANTAGES
 from stages.generate_rollouts.hf import HFEngine
 from stages.policy.batching import (
@@ -26,14 +26,21 @@ from stages.policy.batching import (
 from stages.policy.loading import ValueHead, eos_token_ids
 from stages.policy.scoring import forward_targets, kl_estimate, score_rollouts, token_logprobs
 from stages.ppo_update import (
+    PPOSettings,
     aggregate,
     build_optimizer,
+    old_logprobs_recomputed,
     optimise_policy,
     policy_loss,
     token_loss,
     value_loss,
 )
 from stages.ppo_update.checkpoint import load_optimizer_state, save_optimizer_state
+
+
+def ppo_settings(**ppo) -> PPOSettings:
+    """ppo-update's settings of a run config with these ppo.* fields (the rest default)."""
+    return PPOSettings.resolve(RunConfig(ppo=ppo))
 
 
 def test_clipped_loss_value_and_gradient_by_hand():
@@ -103,7 +110,7 @@ def test_tis_entropy_kl_and_value_terms_of_the_token_loss_by_hand():
         "old_values": torch.tensor([1.0, 0.0]),
         "returns": torch.tensor([2.0, 0.0]),
     }
-    config = PPOConfig(
+    config = ppo_settings(
         tis_cap=2.0, entropy_coef=0.1, kl_coef=0.2, kl_estimator="k3", kl_in="loss", value_coef=0.5, value_clip=0.2
     )
     values = torch.tensor([1.5, 0.0])
@@ -138,7 +145,7 @@ def test_the_decoupled_loss_of_stale_rollouts_by_hand():
     old = behaviour + torch.log(torch.tensor([1.5, 4.0, 0.5]))
     logprobs = (old + torch.log(torch.tensor([1.1, 1.5, 0.7]))).requires_grad_()
     batch = {"old_logprobs": old, "generation_logprobs": behaviour, "advantages": torch.tensor([1.0, 1.0, -1.0])}
-    config = PPOConfig(tis_cap=2.0, clip_low=0.2, clip_high=0.28, clip_ratio_c=None, entropy_coef=0.0, kl_coef=0.0)
+    config = ppo_settings(tis_cap=2.0, clip_low=0.2, clip_high=0.28, clip_ratio_c=None, entropy_coef=0.0, kl_coef=0.0)
     total, _, clipped, is_weight = token_loss(batch, logprobs, torch.zeros(3), None, config)
     total.sum().backward()
     assert is_weight.tolist() == pytest.approx([1.5, 2.0, 0.5])
@@ -212,14 +219,12 @@ def test_exact_generation_logprobs_stand_in_for_the_old_logprob_pass(tiny, rollo
     with torch.no_grad():
         recomputed, _, _ = forward_targets(model, batch, temperature=1.0, chunk_tokens=64)
     assert (recomputed - batch["generation_logprobs"]).abs().max().item() < 1e-5
-    base = PPOConfig(learning_rate=1e-4, minibatch_rollouts=4, micro_batch_rollouts=2, epochs=1, kl_coef=0.0)
+    base = ppo_settings(learning_rate=1e-4, minibatch_rollouts=4, micro_batch_rollouts=2, epochs=1, kl_coef=0.0)
     results = {}
     for recompute in (True, False):
         trained = copy.deepcopy(model)
         config = base.model_copy(update={"recompute_old_logprobs": recompute})
-        metrics = optimise_policy(
-            trained, rollouts, config=config, temperature=1.0, pad_token_id=tokenizer.pad_token_id, seed=0
-        )
+        metrics = optimise_policy(trained, rollouts, settings=config, pad_token_id=tokenizer.pad_token_id, seed=0)
         results[recompute] = (metrics, torch.cat([p.detach().flatten() for p in trained.parameters()]))
     (recomputed_metrics, recomputed_weights), (stored_metrics, stored_weights) = results[True], results[False]
     assert len(stored_metrics) == len(recomputed_metrics) == 2
@@ -231,11 +236,14 @@ def test_exact_generation_logprobs_stand_in_for_the_old_logprob_pass(tiny, rollo
 
 
 def test_old_logprobs_are_recomputed_unless_generation_is_exact():
-    assert not RunConfig().recomputes_old_logprobs()  # the hf engine in float32
-    assert RunConfig(model={"dtype": "bfloat16"}).recomputes_old_logprobs()
-    assert RunConfig(generation={"engine": "another-engine"}).recomputes_old_logprobs()
-    assert RunConfig(ppo={"recompute_old_logprobs": True}).recomputes_old_logprobs()
-    assert not RunConfig(model={"dtype": "bfloat16"}, ppo={"recompute_old_logprobs": False}).recomputes_old_logprobs()
+    def recomputes(**config) -> bool:
+        return old_logprobs_recomputed(PPOSettings.resolve(RunConfig(**config)), stale=False)
+
+    assert not recomputes()  # the hf engine in float32
+    assert recomputes(model={"dtype": "bfloat16"})
+    assert recomputes(generation={"engine": "another-engine"})
+    assert recomputes(ppo={"recompute_old_logprobs": True})
+    assert not recomputes(model={"dtype": "bfloat16"}, ppo={"recompute_old_logprobs": False})
 
 
 def test_packed_rows_give_the_padded_logprobs_within_a_token_budget(tiny, rollouts):
@@ -269,7 +277,7 @@ def test_packing_and_activation_checkpointing_do_not_change_the_update(tiny, rol
     model, tokenizer = tiny
     # Every rollout with an advantage (-1 for the fixture's odd ones), so every one is computed.
     rollouts = rollouts.map(lambda r: {"advantages": [a or -1.0 for a in r["advantages"]]})
-    base = PPOConfig(learning_rate=1e-4, minibatch_rollouts=4, micro_batch_rollouts=2, epochs=1, kl_coef=0.0)
+    base = ppo_settings(learning_rate=1e-4, minibatch_rollouts=4, micro_batch_rollouts=2, epochs=1, kl_coef=0.0)
     variants = {
         "padded": base,
         "packed": base.model_copy(update={"max_tokens_per_micro_batch": 1024}),
@@ -279,9 +287,7 @@ def test_packing_and_activation_checkpointing_do_not_change_the_update(tiny, rol
     for name, config in variants.items():
         trained = copy.deepcopy(model)
         with counting_passes() as counted[name]:
-            metrics = optimise_policy(
-                trained, rollouts, config=config, temperature=1.0, pad_token_id=tokenizer.pad_token_id, seed=0
-            )
+            metrics = optimise_policy(trained, rollouts, settings=config, pad_token_id=tokenizer.pad_token_id, seed=0)
         results[name] = (metrics, torch.cat([p.detach().flatten() for p in trained.parameters()]))
         assert not trained.is_gradient_checkpointing
     # Each pass is counted: 8 rollouts, 2 a pass padded (4 passes); the old-logprob pass runs because
@@ -310,7 +316,7 @@ def test_one_ppo_step_lowers_the_loss_and_raises_positive_advantage_logprobs(tin
         seq.old_logprobs = seq.generation_logprobs
     batch = collate(sequences, tokenizer.pad_token_id, torch.device("cpu"))
     # A small step, so that the first-order picture holds: Adam's first step is along -sign(grad).
-    config = PPOConfig(
+    config = ppo_settings(
         learning_rate=1e-4, minibatch_rollouts=len(sequences), micro_batch_rollouts=3, epochs=1, kl_coef=0.0
     )
 
@@ -321,9 +327,7 @@ def test_one_ppo_step_lowers_the_loss_and_raises_positive_advantage_logprobs(tin
         return per_token.mean().item(), logprobs
 
     loss_before, before = evaluate(trained)
-    metrics = optimise_policy(
-        trained, rollouts, config=config, temperature=1.0, pad_token_id=tokenizer.pad_token_id, seed=0
-    )
+    metrics = optimise_policy(trained, rollouts, settings=config, pad_token_id=tokenizer.pad_token_id, seed=0)
     loss_after, after = evaluate(trained)
     assert len(metrics) == 1 and metrics[0]["grad_norm"] > 0
     assert metrics[0]["is_weight_mean"] == pytest.approx(1.0, abs=1e-3)  # same weights, same kernels
@@ -347,9 +351,9 @@ def test_value_head_learns_the_returns_and_kl_in_the_loss_runs(tiny, rollouts):
     data = rollouts.remove_columns(["values", "ref_logprobs"])
     data = data.add_column("values", values, feature=COMPUTE_ADVANTAGES["values"])
     data = data.add_column("ref_logprobs", reference_logprobs, feature=COMPUTE_ADVANTAGES["ref_logprobs"])
-    config = PPOConfig(learning_rate=1e-3, minibatch_rollouts=4, epochs=3, kl_coef=0.1, value_clip=None)
+    config = ppo_settings(learning_rate=1e-3, minibatch_rollouts=4, epochs=3, kl_coef=0.1, value_clip=None)
     metrics = optimise_policy(
-        trained, data, config=config, temperature=1.0, pad_token_id=tokenizer.pad_token_id, seed=0, value_head=head
+        trained, data, settings=config, pad_token_id=tokenizer.pad_token_id, seed=0, value_head=head
     )
     assert metrics[-1]["value_loss"] < metrics[0]["value_loss"]
     assert metrics[0]["kl"] == pytest.approx(0.0, abs=1e-4) and metrics[-1]["kl"] > 0
@@ -365,9 +369,9 @@ def test_the_value_loss_trains_the_head_and_never_the_policy(tiny, rollouts):
     data = rollouts.remove_columns(["advantages", "values"])
     data = data.add_column("advantages", zeros, feature=COMPUTE_ADVANTAGES["advantages"])
     data = data.add_column("values", zeros, feature=COMPUTE_ADVANTAGES["values"])
-    config = PPOConfig(learning_rate=1e-2, minibatch_rollouts=4, epochs=2, value_clip=None, kl_coef=0.0)
+    config = ppo_settings(learning_rate=1e-2, minibatch_rollouts=4, epochs=2, value_clip=None, kl_coef=0.0)
     metrics = optimise_policy(
-        trained, data, config=config, temperature=1.0, pad_token_id=tokenizer.pad_token_id, seed=0, value_head=head
+        trained, data, settings=config, pad_token_id=tokenizer.pad_token_id, seed=0, value_head=head
     )
     assert all(m["value_grad_norm"] > 0 for m in metrics) and all(m["grad_norm"] == 0 for m in metrics)
     for (name, before), after in zip(model.state_dict().items(), trained.state_dict().values()):
@@ -380,14 +384,13 @@ def test_saved_optimizer_state_continues_adam_exactly_across_iterations(tiny, ro
     # first and loaded into a new optimiser (what two iterations of the flow do); a fresh
     # optimiser for the second update gives different weights (so the state matters).
     model, tokenizer = tiny
-    config = PPOConfig(learning_rate=1e-3, minibatch_rollouts=8, micro_batch_rollouts=8, kl_coef=0.0)
+    config = ppo_settings(learning_rate=1e-3, minibatch_rollouts=8, micro_batch_rollouts=8, kl_coef=0.0)
 
     def update(policy, optimizer, seed):
         optimise_policy(
             policy,
             rollouts,
-            config=config,
-            temperature=1.0,
+            settings=config,
             pad_token_id=tokenizer.pad_token_id,
             seed=seed,
             optimizer=optimizer,
@@ -417,7 +420,7 @@ def test_saved_optimizer_state_continues_adam_exactly_across_iterations(tiny, ro
 def test_memory_settings_follow_the_model_size_unless_set():
     from stages.policy.batching import LARGE_MODEL_TOKENS_PER_MICRO_BATCH, memory_settings
 
-    unset = PPOConfig()
+    unset = ppo_settings()
     small, large = memory_settings(unset, large=False), memory_settings(unset, large=True)
     assert (small.gradient_checkpointing, small.max_tokens_per_micro_batch) == (False, 0)
     assert (large.gradient_checkpointing, large.max_tokens_per_micro_batch) == (
@@ -426,7 +429,7 @@ def test_memory_settings_follow_the_model_size_unless_set():
     )
     on_gpu = memory_settings(unset, large=True, on_gpu=True)  # a GPU: padded passes, faster there
     assert (on_gpu.gradient_checkpointing, on_gpu.max_tokens_per_micro_batch) == (True, 0)
-    chosen = PPOConfig(gradient_checkpointing=False, max_tokens_per_micro_batch=512)
+    chosen = ppo_settings(gradient_checkpointing=False, max_tokens_per_micro_batch=512)
     assert memory_settings(chosen, large=True) == chosen  # what the user set is kept
 
 
@@ -614,7 +617,7 @@ def test_a_shared_prefix_update_and_scores_equal_the_unshared_ones(tiny, rollout
     }
     for shared, unshared in zip(scores[True], scores[False]):
         assert max(abs(x - y) for a, b in zip(shared, unshared) for x, y in zip(a, b)) < 1e-5
-    base = PPOConfig(learning_rate=1e-4, minibatch_rollouts=4, micro_batch_rollouts=2, epochs=1, kl_coef=0.0)
+    base = ppo_settings(learning_rate=1e-4, minibatch_rollouts=4, micro_batch_rollouts=2, epochs=1, kl_coef=0.0)
     weights = {}
     for name, update in {
         "unshared": {"share_prefix": False},
@@ -625,8 +628,7 @@ def test_a_shared_prefix_update_and_scores_equal_the_unshared_ones(tiny, rollout
         optimise_policy(
             trained,
             rollouts,
-            config=base.model_copy(update=update),
-            temperature=1.0,
+            settings=base.model_copy(update=update),
             pad_token_id=tokenizer.pad_token_id,
             seed=0,
         )
@@ -643,11 +645,9 @@ def test_rollouts_without_advantage_are_not_computed_and_the_update_stays_the_sa
 
     def update(turns, **settings) -> tuple[torch.Tensor, dict, list[dict]]:
         trained = copy.deepcopy(model)
-        config = PPOConfig(learning_rate=1e-4, minibatch_rollouts=2, micro_batch_rollouts=2, kl_coef=0.0, **settings)
+        config = ppo_settings(learning_rate=1e-4, minibatch_rollouts=2, micro_batch_rollouts=2, kl_coef=0.0, **settings)
         with counting_passes() as passes:
-            metrics = optimise_policy(
-                trained, turns, config=config, temperature=1.0, pad_token_id=tokenizer.pad_token_id, seed=0
-            )
+            metrics = optimise_policy(trained, turns, settings=config, pad_token_id=tokenizer.pad_token_id, seed=0)
         return torch.cat([p.detach().flatten() for p in trained.parameters()]), passes, metrics
 
     def advantages(turns, silent: float, everyone: bool = False):

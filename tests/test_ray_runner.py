@@ -46,7 +46,8 @@ def test_the_ray_runner_refuses_to_start_without_a_prefect_api():
     """Without an API each Ray worker would start its own temporary server: a clear error instead."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from pipeline.runners import RunnerError, stage_runner
+    from pipeline.runners import stage_runner
+    from runtime.ray import RunnerError
     from schemas.config import RunnerConfig
 
     with temporary_settings(restore_defaults={PREFECT_API_URL}), pytest.raises(RunnerError, match="Prefect server"):
@@ -59,9 +60,7 @@ def _tag_with_pid(rows):
 
 
 def test_row_shards_run_as_ray_tasks_and_come_back_in_order(monkeypatch):
-    from pipeline.runners import map_row_shards
-    from runtime.ray import RAY_ENVIRONMENT
-    from schemas.config import RunnerConfig
+    from runtime.ray import RAY_ENVIRONMENT, map_row_shards
 
     for name, value in RAY_ENVIRONMENT.items():  # before Ray is imported: it reads them then
         monkeypatch.setenv(name, value)
@@ -74,7 +73,7 @@ def test_row_shards_run_as_ray_tasks_and_come_back_in_order(monkeypatch):
     @ray.remote
     def stage() -> tuple[int, list[int], list[int], str]:
         rows = datasets.Dataset.from_dict({"x": list(range(10))})
-        out = map_row_shards(_tag_with_pid, rows, RunnerConfig(kind="ray", shards=4))
+        out = map_row_shards(_tag_with_pid, rows, "ray", 4)
         return os.getpid(), out["x"], out["pid"], ray.util.get_node_ip_address()
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
@@ -90,11 +89,10 @@ def test_row_shards_run_as_ray_tasks_and_come_back_in_order(monkeypatch):
 def test_row_shards_of_the_ray_runner_outside_ray_are_an_error_not_a_silent_in_process_run():
     import datasets
 
-    from pipeline.runners import RunnerError, map_row_shards
-    from schemas.config import RunnerConfig
+    from runtime.ray import RunnerError, map_row_shards
 
     rows = datasets.Dataset.from_dict({"x": list(range(4))})
     for shards in (1, 2):
         with pytest.raises(RunnerError, match="not connected to Ray"):
-            map_row_shards(_tag_with_pid, rows, RunnerConfig(kind="ray", shards=shards))
-    assert map_row_shards(_tag_with_pid, rows, RunnerConfig(kind="thread", shards=2))["pid"] == [os.getpid()] * 4
+            map_row_shards(_tag_with_pid, rows, "ray", shards)
+    assert map_row_shards(_tag_with_pid, rows, "thread", 2)["pid"] == [os.getpid()] * 4

@@ -206,7 +206,7 @@ def test_a_run_keeping_one_state_prunes_the_older_policy_and_resumes(keeping_one
     updates = [store.manifest("ppo-update", r["versions"]["ppo-update"]) for r in (first, second)]
     # the starting model starts a fresh AdamW without any flag; iteration 1 continued iteration 0's
     assert updates[0].extra("optimizer_state_restored") == 0 and updates[1].extra("optimizer_state_restored") > 0
-    assert all("fresh_optimizer" not in update.derived for update in updates)
+    assert all(update.settings["fresh_optimizer"] is False for update in updates)
 
     # run on: the stored iterations are reused (their pruned policy is not trained again), the third
     # continues the newest state, and then the second policy loses its state
@@ -241,5 +241,5 @@ def test_continuing_a_pruned_state_fails_clearly_and_the_flag_starts_a_fresh_ada
     # where the update is stored already, the flag takes no effect: the same version, nothing trained
     assert rerun_stage(config.with_overrides(allowed), "ppo-update", source) == second["versions"]["ppo-update"]
     fresh = store.manifest("ppo-update", rerun_stage(other.with_overrides(allowed), "ppo-update", source))
-    assert fresh.extra("optimizer_state_restored") == 0 and fresh.derived["fresh_optimizer"]
+    assert fresh.extra("optimizer_state_restored") == 0 and fresh.settings["fresh_optimizer"] is True
     assert store.exists(POLICY, fresh.policy) and store.verify(POLICY, fresh.policy) == []

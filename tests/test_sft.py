@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipeline.models import EMBEDDED_POLICY
-from schemas.config import RunConfig, SFTConfig
+from schemas.config import RunConfig
 from schemas.token_stream import rollouts
 from stages.environments import ENVIRONMENTS, CalculatorEnv, Environment
 from stages.policy.batching import collate, micro_batches
@@ -19,6 +19,8 @@ from stages.policy.loading import load_model, load_tokenizer
 from stages.policy.scoring import forward_targets
 from stages.registry import tool_schemas
 from stages.sft import (
+    DemonstrationTasks,
+    SFTSettings,
     accumulate_gradients,
     check_demonstrations,
     demonstration_sequence,
@@ -31,7 +33,7 @@ from stages.tools import TOOLS
 
 def tasks(name: str) -> list:
     """The warm start's environments of a task mix, as a run with it sets them up."""
-    return demonstrators(RunConfig(task={"name": name}))
+    return demonstrators(DemonstrationTasks.resolve(RunConfig(task={"name": name})))
 
 
 def calculator_demonstration() -> tuple[list[dict], list[dict], dict]:
@@ -127,10 +129,12 @@ def test_sft_lowers_the_loss_on_demonstrations_it_did_not_see_and_moves_every_la
     model = load_model(EMBEDDED_POLICY, "float32", "cpu")
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     loss_before = held_out_loss(model, tokenizer, seed=0)
-    config = SFTConfig(steps=6, batch_size=4, learning_rate=1e-4, warmup_steps=1)
-    metrics = train_on_demonstrations(
-        model, tokenizer, config=config, tasks=tasks("calculator"), seed=0, enable_thinking=True
+    config = RunConfig(
+        seed=0,
+        generation={"enable_thinking": True},
+        sft={"steps": 6, "batch_size": 4, "learning_rate": 1e-4, "warmup_steps": 1},
     )
+    metrics = train_on_demonstrations(model, tokenizer, SFTSettings.resolve(config), tasks=tasks("calculator"))
     assert [row["step"] for row in metrics] == list(range(6))
     assert metrics[0]["learning_rate"] == pytest.approx(5e-5) and metrics[1]["learning_rate"] == pytest.approx(1e-4)
     assert all(row["demonstrations"] == 4 and row["tokens"] > 0 for row in metrics)
@@ -169,8 +173,12 @@ def test_a_steps_gradient_over_packed_passes_of_a_token_budget_is_the_one_pass_g
 def test_the_warm_start_is_versioned_apart_from_the_rl_stages():
     """sft's settings reach the RL stages only through the policy it writes; its own version
     follows its demonstrations' task mix (sft.task, else task.name)."""
+    from pipeline.stage_runs import settings_of
     from pipeline.stage_table import STAGES
-    from pipeline.tasks import stage_version
+    from pipeline.stage_table import stage_version as version_of
+
+    def stage_version(config: RunConfig, name: str, parents: dict, position: dict) -> str:
+        return version_of(name, settings_of(name, config), parents, position)
 
     base, warm = RunConfig(), RunConfig().with_overrides({"sft.steps": 20, "sft.learning_rate": 1e-3})
     for name in STAGES:

@@ -13,8 +13,10 @@ import pytest
 
 from pipeline.store import Store, StoreError
 from runtime.hashing import version_key
+from schemas import features
 from schemas.config import RunConfig
 from schemas.manifest import Manifest
+from stages.ppo_update import PPOSettings
 
 
 def write_toy(store: Store, stage: str, version: str, values: list[int], manifest: dict | None = None) -> Manifest:
@@ -37,15 +39,23 @@ def test_version_is_a_content_hash_of_stage_code_config_and_parents():
 
 
 def test_config_types_are_normalised_before_hashing():
-    # {"lr": 1} and {"lr": 1.0} would hash differently; pydantic normalises them.
-    one = RunConfig().with_overrides({"ppo.learning_rate": 1})
-    one_float = RunConfig().with_overrides({"ppo.learning_rate": 1.0})
-    assert version_key("s", "c", one.pick("ppo"), {}) == version_key("s", "c", one_float.pick("ppo"), {})
+    # {"lr": 1} and {"lr": 1.0} would hash differently; pydantic normalises them, in the run
+    # config and in a stage's settings resolved from a raw run config (its JSON dump).
+    one = PPOSettings.resolve(RunConfig().with_overrides({"ppo.learning_rate": 1}))
+    one_float = PPOSettings.resolve(RunConfig().with_overrides({"ppo.learning_rate": 1.0}))
+    assert version_key("s", "c", one.hashed(), {}) == version_key("s", "c", one_float.hashed(), {})
+    raw_int, raw_float = RunConfig().model_dump(mode="json"), RunConfig().model_dump(mode="json")
+    raw_int["ppo"]["learning_rate"], raw_float["ppo"]["learning_rate"] = 1, 1.0
+    from_int, from_float = PPOSettings.resolve(raw_int), PPOSettings.resolve(raw_float)
+    assert version_key("s", "c", from_int.hashed(), {}) == version_key("s", "c", from_float.hashed(), {})
+    assert version_key("s", "c", from_int.hashed(), {}) == version_key("s", "c", one.hashed(), {})
 
 
 def test_a_dataset_must_match_its_stage_schema(tmp_path):
     with pytest.raises(StoreError, match="features differ"):
-        Store(tmp_path).write_dataset("assign-rewards", "v1", datasets.Dataset.from_dict({"x": [1]}), {})
+        Store(tmp_path).write_dataset(
+            "assign-rewards", "v1", datasets.Dataset.from_dict({"x": [1]}), {}, features.ASSIGN_REWARDS
+        )
     assert not (tmp_path / "assign-rewards" / "v1").exists()
 
 

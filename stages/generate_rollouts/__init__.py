@@ -17,6 +17,7 @@ stage`), once.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
@@ -214,14 +215,16 @@ STREAMS: OrderedDict[str, dict[int, list[int]]] = OrderedDict()
 STREAMS_KEPT = 4
 
 
-def streams_before(inputs: Inputs) -> dict[int, list[int]]:
-    """Every continuing rollout's token stream after the previous turn: the streams that turn
-    started from (kept from when it was generated in this process) extended by its rows, or, when
-    this process did not generate it, rebuilt from every stored turn."""
+def streams_before(
+    inputs: Inputs, previous: datasets.Dataset, history: Callable[[], datasets.Dataset]
+) -> dict[int, list[int]]:
+    """Every continuing rollout's token stream after the previous turn (`previous`, its rows): the
+    streams that turn started from (kept from when it was generated in this process) extended by
+    its rows, or, when this process did not generate it, rebuilt from every stored turn (`history`)."""
     previous_generation = inputs.manifest("execute-tools").parents["generate-rollouts"]
     if previous_generation in STREAMS:
-        return continue_streams(STREAMS[previous_generation], inputs.load("execute-tools"))
-    return {rollout.rollout_id: rollout.token_ids for rollout in rollouts(inputs.turns("execute-tools"))}
+        return continue_streams(STREAMS[previous_generation], previous)
+    return {rollout.rollout_id: rollout.token_ids for rollout in rollouts(history())}
 
 
 def remember_streams(version: str, pending: list[dict[str, Any]]) -> None:
@@ -245,10 +248,13 @@ def run(
     policy_dir = inputs.folder(POLICY)
     tokenizer = load_tokenizer(str(policy_dir))
     engine = ENGINE.serving(policy_dir, tokenizer, settings.engine)
+    # every earlier turn, read only where this process lost them (the streams, the engine's caches), once
+    history = functools.cache(lambda: inputs.turns("execute-tools"))
     if turn == 0:
         pending = first_turn(tokenizer, settings, iteration)
     else:
-        pending = next_turn(tokenizer, settings, inputs.load("execute-tools"), streams_before(inputs))
+        previous = inputs.load("execute-tools")
+        pending = next_turn(tokenizer, settings, previous, streams_before(inputs, previous, history))
     dataset, replay = generate_rollouts(
         engine,
         tokenizer,
@@ -257,7 +263,7 @@ def run(
         iteration=iteration,
         turn=turn,
         policy_version=inputs.parents[POLICY],
-        earlier_turns=(lambda: inputs.turns("execute-tools")) if turn else None,
+        earlier_turns=history if turn else None,
         report_progress=report_progress,
     )
     remember_streams(inputs.version, pending)

@@ -43,8 +43,7 @@ from runtime.processes import free_port
 from runtime.vllm_server import EngineError, VLLMServer, vllm_python, vllm_version
 from schemas.features import FinishReason
 from stages.generate_rollouts.engine import ENGINES, Completion, EngineSettings, Generation, Request, Sampling
-from stages.policy.loading import eos_token_ids
-from stages.policy.scoring import rescore_tolerance
+from stages.policy.loading import eos_token_ids, rescore_tolerance
 
 SERVED_MODEL_NAME = "policy"
 # mtrl's worker extension, imported by the servers mtrl starts (their PYTHONPATH holds its folder)

@@ -1,6 +1,5 @@
 """Scoring tokens with the policy: the logprobs, entropies and critic values of a batch's target
-tokens (the vocabulary projection chunked), whole datasets of turns, KL estimators, and how closely
-a re-score must agree with stored logprobs.
+tokens (the vocabulary projection chunked), whole datasets of turns, KL estimators.
 
 generate-rollouts' engines, compute-advantages (critic values, reference logprobs), ppo-update and
 the audit (re-scoring) all agree on
@@ -147,16 +146,3 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     if estimator == "k3":  # low variance, always >= 0 (Schulman); clamped as in verl
         return (torch.exp(-log_ratio) - 1.0 + log_ratio).clamp(max=10.0)
     raise ValueError(f"unknown KL estimator '{estimator}'; valid: k1, k2, k3")
-
-
-# The audit's re-score runs in float32, so logprobs generated in a lower precision differ from it by
-# rounding. Measured on the embedded policy (2 iterations x 32 rollouts, every rollout re-scored): up
-# to 0.11 in bfloat16, 0.009 in float16, under 1e-4 in float32. The defaults leave about 5x headroom;
-# a stale policy or shifted logprobs differ by whole nats.
-RESCORE_TOLERANCE = {"float32": 1e-3, "float16": 0.05, "bfloat16": 0.5}
-
-
-def rescore_tolerance(configured: float | None, generation_dtype: str) -> float:
-    """Max |stored - re-scored| logprob (the audit; a vLLM weight update's probe): the configured
-    one, else the generating dtype's."""
-    return configured if configured is not None else RESCORE_TOLERANCE[generation_dtype]

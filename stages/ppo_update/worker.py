@@ -8,7 +8,7 @@ on ppo.nodes nodes of a Ray cluster (one torchrun per node):
 
 request.json (write_request) names the compute-advantages dataset (a folder of the store, audited and
 digest-checked by the stage), the policy folder to train, ppo-update's settings and the seed. Every
-rank trains its share with stages.ppo_update.train_policy; rank 0 then writes the next
+rank trains its share with stages.ppo_update.train.train_policy; rank 0 then writes the next
 policy's files into WORK/policy/ and WORK/result.json (the metrics rows, how much AdamW
 state continued, every rank's peak memory, the training time). The stage publishes them through the store, so
 the write stays atomic and digested; nothing here touches the store.
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from runtime.launch import PROGRESS
 from runtime.memory import peak_memory
 from runtime.passes import counting_passes
-from stages.ppo_update import PPOSettings, train_policy
+from stages.ppo_update.train import PPOSettings, train_policy
 from stages.sharding import init_ranks
 
 MODULE = "stages.ppo_update.worker"  # what each rank runs: python -m MODULE WORK/request.json
