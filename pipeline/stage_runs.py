@@ -30,7 +30,7 @@ from prefect import get_run_logger, task
 
 from pipeline import artifacts, lineage, retention
 from pipeline.artifacts import publish_stage
-from pipeline.audit import AuditReport, audit_before_training
+from pipeline.audit import audit_before_training
 from pipeline.stage_table import POLICY, STAGES, code_version, stage_version
 from pipeline.store import Store
 from runtime.hashing import version_key
@@ -137,9 +137,8 @@ def write_version(
     given: dict[str, Any] | None = None,
 ) -> str:
     """The Prefect task every stage runs as (stage_task): run the stage and store its output as
-    `version`, unless it is on disk. `given`: what the caller already holds that the stage would
-    otherwise compute again, which never changes its output (the audit a flow ran as soon as the
-    batch existed, the progress bar a stage moves)."""
+    `version`, unless it is on disk. `given`: what the caller holds that never changes the output
+    (the stretch of a progress bar a stage moves)."""
     stage, store, position, given = STAGES[name], Store(config.store.runs_dir), position or {}, given or {}
     if on_disk(store, name, version):
         return version
@@ -150,8 +149,8 @@ def write_version(
     # the iteration its rows belong to: its position, or its input dataset's
     inherited = [store.manifest(parent, v).iteration for parent, v in parents.items() if parent in STAGES]
     iteration = position.get("iteration", inherited[0] if inherited else None)
-    audit = given.get("audit")
-    if stage.audits and audit is None:  # never train on a batch that fails the audit
+    audit = None
+    if stage.audits:  # never train on a batch that fails the audit
         audit = audit_before_training(store, parents[stage.audits], config, config.seed + iteration).as_dict()
     inputs = StoredInputs(store, name, version, parents)
     extra = (
@@ -269,4 +268,3 @@ def optimizer_start(
     return config
 
 
-__all__ = ["AuditReport", "run_stage", "settings_of", "stage_task"]

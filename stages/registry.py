@@ -48,7 +48,9 @@ class Tasks(Settings):
     options: dict[str, dict[str, Any]] = read("task.options")
     offered_tools: dict[str, list[str]] = read("task.tools")
     plugins: list[str] = read("task.plugins")
-    mcp_servers: list[dict[str, Any]] = read("tools.mcp_servers")
+    # how to reach the MCP servers (a command or a URL, a start timeout): what their tools do is hashed
+    # as the tools' identity in `code` (the server's name and version, the tool's schema, the client)
+    mcp_servers: list[dict[str, Any]] = read("tools.mcp_servers", placement=True)
 
     def names(self) -> list[str]:
         return [name for name, _ in self.mix]

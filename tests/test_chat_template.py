@@ -7,9 +7,8 @@ import shutil
 
 import pytest
 
-from pipeline.models import EMBEDDED_POLICY, SHIPPED_TEMPLATES, starting_tokenizer
+from pipeline.models import EMBEDDED_POLICY, SHIPPED_TEMPLATES, import_base_policy, starting_tokenizer
 from pipeline.store import Store
-from pipeline.tasks import import_base_policy
 from stages.policy.loading import ModelError, load_tokenizer
 
 # Plain ChatML without a tools section, as SmolLM2-135M-Instruct ships: tools are dropped silently.

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.lineage import lineage_config
+from pipeline.lineage import run_config
 from pipeline.store import Store
 
 pytestmark = pytest.mark.slow
@@ -67,7 +67,11 @@ def test_runs_started_together_on_one_store_keep_their_versions_apart(tmp_path):
         for manifest in lineage:
             if manifest.stage == "policy" and not manifest.parents:
                 continue  # the imported starting model: the one version both runs share
-            recorded = lineage_config(store, manifest.stage, manifest.version)
+            # a trained policy is named by the version that wrote it, whose manifest records the run config
+            ((stage, version),) = (
+                manifest.parents.items() if manifest.stage == "policy" else [(manifest.stage, manifest.version)]
+            )
+            recorded = run_config(store, stage, version)
             assert recorded["seed"] == seed, f"{manifest.stage}/{manifest.version} in the lineage of seed {seed}"
     assert writers[1] <= {runs_started[0].pid, runs_started[2].pid} and writers[2] == {runs_started[1].pid}
     (starting_model,) = lineages[1] & lineages[2]

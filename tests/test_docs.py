@@ -99,3 +99,13 @@ def test_every_module_the_docs_name_exists():
 def test_the_readme_is_short_enough_to_read():
     lines = (ROOT / "README.md").read_text().count("\n")
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines; the details belong in docs/"
+
+
+def test_the_docs_describe_every_registered_stage_and_only_those():
+    """docs/architecture.md's list of stages ("How each stage works") is the stage table's."""
+    from pipeline.stage_table import STAGES
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text[text.index("## How each stage works") :]
+    section = section[: section.index("\n## ", 1)]
+    assert set(re.findall(r"^- \*\*([a-z-]+)\*\*", section, re.M)) == set(STAGES)

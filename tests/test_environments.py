@@ -10,16 +10,18 @@ import re
 import pytest
 
 from pipeline.evaluate import run_episodes
-from schemas.config import RewardConfig, RunConfig, TaskConfig
+from schemas.config import RunConfig, TaskConfig
 from schemas.features import ASSIGN_REWARDS, EXECUTE_TOOLS, dataset_from_rows
+from schemas.task_mix import groups_per_task, parse_task_mix
 from schemas.token_stream import prompt_token_ids
-from stages.assign_rewards import assign_rewards, rollout_metrics
+from stages.assign_rewards import RewardSettings, assign_rewards, rollout_metrics
 from stages.environments import ENVIRONMENTS, CalculatorEnv, GuessNumberEnv, WeatherEnv
 from stages.execute_tools.calls import ToolCall, run_tool_calls
+from stages.generate_rollouts import GenerateSettings
+from stages.generate_rollouts import rollout_starts as starts_of
 from stages.generate_rollouts.hf import HFEngine
 from stages.policy.loading import eos_token_ids
-from stages.registry import run_environments
-from stages.task_mix import rollout_starts
+from stages.registry import Tasks
 from stages.tools import TOOLS, tool_schema
 
 
@@ -106,7 +108,7 @@ def test_weather_needs_two_lookups_and_a_subtraction():
 
 
 def test_a_task_mix_splits_groups_by_weight_and_never_mixes_a_group():
-    assert TaskConfig(name="calculator:3,guess-number:1", rollouts=32, group_size=4).groups_per_task() == [
+    assert groups_per_task(parse_task_mix("calculator:3,guess-number:1"), 32 // 4) == [
         *["calculator"] * 6,
         *["guess-number"] * 2,
     ]
@@ -121,6 +123,10 @@ def test_a_task_mix_splits_groups_by_weight_and_never_mixes_a_group():
     assert sorted(t for (t,) in by_group.values()) == ["calculator", "calculator", "weather", "weather"]
     weather = next(s for s in starts if s["task"] == "weather")
     assert [t["function"]["name"] for t in weather["tools"]] == ["get_weather", "calculate"]
+
+
+def rollout_starts(config: RunConfig, iteration: int) -> list[dict]:
+    return starts_of(GenerateSettings.resolve(config), iteration)
 
 
 class ShapedCalculator(CalculatorEnv):
@@ -166,7 +172,7 @@ def test_per_turn_rewards_stop_strings_and_a_raising_environment(tiny):
     broken = [row for row in turns if row["task"] == "broken" and row["finish_reason"] == "stop"]
     assert broken and all(row["failed"] and "environment bug" in row["failure"] for row in broken)
     assert all(math.isnan(row["reward"]) for row in broken)
-    metrics = rollout_metrics(turns, run_environments(config), config.task.max_turns)
+    metrics = rollout_metrics(turns, Tasks.resolve(config).environments(), config.task.max_turns)
     assert metrics["per_task"]["broken"]["failed_rate"] == len(broken) / 4
     assert metrics["per_task"]["shaped-calculator"]["failed_rate"] == 0.0
 
@@ -181,8 +187,7 @@ def test_the_prompt_lists_the_environments_tools(tiny):
 
 
 def test_a_plugin_registers_a_tool_and_an_environment(tiny):
-    from stages.registry import environment_code
-    from stages.task_mix import load_plugins
+    from stages.registry import load_plugins
 
     load_plugins(["plugin_countdown"])
     try:
@@ -198,7 +203,7 @@ def test_a_plugin_registers_a_tool_and_an_environment(tiny):
         assert set(turns["task"]) == {"multiply"}
         (result,) = run_tool_calls([ToolCall("multiply", {"a": 6, "b": 7})], TOOLS, 30)  # in a worker process
         assert result.content == "42"
-        assert set(environment_code(config)) == {"multiply"}
+        assert set(Tasks.resolve(config).code) == {"multiply"}
     finally:
         ENVIRONMENTS.pop("multiply", None)
         TOOLS.pop("multiply", None)
@@ -334,7 +339,8 @@ def test_each_way_a_rollout_ends_gets_its_final_reward_on_every_row():
         + rows(4, ["failed"], failed=True),
         EXECUTE_TOOLS,
     )
-    scored = assign_rewards(data, ENVIRONMENTS, RewardConfig(truncated_reward=-0.25, overlong_reward=-0.75))
+    settings = RewardSettings.resolve(RunConfig(reward={"truncated_reward": -0.25, "overlong_reward": -0.75}))
+    scored = assign_rewards(data, ENVIRONMENTS, settings)
     expected = {0: 1.0, 1: 0.0, 2: -0.25, 3: -0.75}
     for rollout_id, reward in zip(scored["rollout_id"], scored["reward"]):
         if rollout_id == 4:
@@ -367,7 +373,9 @@ def test_an_environment_whose_reward_raises_fails_its_rollout_not_the_stage():
         for r, task in ((0, "calculator"), (1, "raising-reward"))
     ]
     scored = assign_rewards(
-        dataset_from_rows(rows, EXECUTE_TOOLS), {**ENVIRONMENTS, "raising-reward": RaisingReward()}, RewardConfig()
+        dataset_from_rows(rows, EXECUTE_TOOLS),
+        {**ENVIRONMENTS, "raising-reward": RaisingReward()},
+        RewardSettings.resolve(RunConfig()),
     )
     assert scored["failed"] == [False, True] and scored["reward"][0] == 1.0 and math.isnan(scored["reward"][1])
     assert "environment 'raising-reward' reward raised KeyError('answer')" in scored["failure"][1]

@@ -144,7 +144,8 @@ def test_split_thinking():
 def test_a_cold_engine_replays_earlier_turns_and_continues_bit_identically(tiny, config):
     """A resumed run has lost the engine's cache: replaying the stored turns rebuilds it with
     the same forward passes, so the next turn equals the uninterrupted run's bit for bit."""
-    from stages.generate_rollouts import generate_rollouts
+    from schemas.token_stream import rollouts
+    from stages.generate_rollouts import GenerateSettings, generate_rollouts, next_turn
 
     model, tokenizer = tiny
     warm_engine = HFEngine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode)
@@ -152,15 +153,17 @@ def test_a_cold_engine_replays_earlier_turns_and_continues_bit_identically(tiny,
     assert max(uninterrupted["turn"]) >= 1
     history = uninterrupted.filter(lambda row: row["turn"] == 0, keep_in_memory=True)
     cold_engine = HFEngine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode)
+    settings = GenerateSettings.resolve(config)
+    streams = {rollout.rollout_id: rollout.token_ids for rollout in rollouts(history)}
     resumed, replay = generate_rollouts(
         cold_engine,
         tokenizer,
-        config=config.generation,
-        seed=config.seed,
+        settings,
+        next_turn(tokenizer, settings, history, streams),
         iteration=0,
         turn=1,
         policy_version="in-memory",
-        history=history,
+        earlier_turns=lambda: history,
     )
     assert replay == {"turns": 1, "max_abs_logprob_difference": 0.0}
     expected = uninterrupted.filter(lambda row: row["turn"] == 1, keep_in_memory=True)
@@ -192,13 +195,14 @@ def test_a_full_context_ends_a_rollout_as_a_context_overflow_truncation_not_a_fa
 
 
 def test_a_context_budget_beyond_the_models_positions_is_refused(tiny):
-    from stages.generate_rollouts import generate_rollouts
+    from stages.generate_rollouts import GenerateSettings, first_turn, generate_rollouts
 
     model, tokenizer = tiny
     engine = HFEngine(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode)
-    config = RunConfig(generation={"max_context_tokens": 8192})
+    settings = GenerateSettings.resolve(RunConfig(generation={"max_context_tokens": 8192}))
+    pending = first_turn(tokenizer, settings, 0)
     with pytest.raises(ValueError, match=r"max_context_tokens \(8192\) exceeds .* \(4096 tokens\)"):
-        generate_rollouts(engine, tokenizer, config=config.generation, seed=0, iteration=0, turn=0, policy_version="v")
+        generate_rollouts(engine, tokenizer, settings, pending, iteration=0, turn=0, policy_version="v")
 
 
 def test_the_hf_engine_passes_its_kv_cache_without_a_deprecation_warning(tiny):

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.stage_runs import settings_of
+from pipeline.stage_table import stage_version
 from pipeline.store import Store
-from pipeline.tasks import stage_version
 from schemas.config import RunConfig
 from schemas.token_stream import prompt_token_ids
 from stages.execute_tools.calls import ToolCall, run_tool_calls
-from stages.registry import environment_code, registered_tools
-from stages.task_mix import check_environments, rollout_starts
+from stages.generate_rollouts import GenerateSettings, rollout_starts
+from stages.registry import Tasks, check_tasks
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = str(Path(__file__).with_name("mcp_server.py"))
@@ -58,7 +59,7 @@ def gone(pids: set[int], within_s: float) -> bool:
 @pytest.mark.slow  # real MCP servers, one crashed and started again
 def test_a_servers_tools_are_tools_and_every_call_gets_what_a_tool_call_gets(tmp_path):
     config = with_server()
-    tools = registered_tools(config)
+    tools = Tasks.resolve(config).tools()
     assert {"add", "explode", "hang", "crash"} <= set(tools) and "calculate" in tools
     assert tools["add"].schema["function"]["parameters"]["required"] == ["a", "b"]
     pid_file = tmp_path / "hung.pid"
@@ -92,7 +93,9 @@ def test_a_servers_tools_are_tools_and_every_call_gets_what_a_tool_call_gets(tmp
 def test_the_model_is_shown_the_servers_tools_as_hermes_tools(tiny):
     _, tokenizer = tiny
     config = with_server(name="calculator", tools={"calculator": ["add"]})
-    (start, *_) = rollout_starts(config.with_overrides({"task.rollouts": 8, "task.group_size": 8}), 0)
+    (start, *_) = rollout_starts(
+        GenerateSettings.resolve(config.with_overrides({"task.rollouts": 8, "task.group_size": 8})), 0
+    )
     assert [tool["function"]["name"] for tool in start["tools"]] == ["add"]
     text = tokenizer.decode(prompt_token_ids(tokenizer, start["messages"], start["tools"], True))
     assert '"name": "add"' in text and '"description": "Add two integers."' in text
@@ -104,10 +107,10 @@ def test_a_server_that_cannot_start_refuses_the_run():
     with pytest.raises(
         ValueError, match="(?s)MCP server 'broken' .* cannot start: .*stderr ends with:\nno such module: foo"
     ):
-        check_environments(config)
+        check_tasks(Tasks.resolve(config), config.tools.sandbox)
     missing = RunConfig(task={"name": "calculator", "tools": {"calculator": ["add"]}})
     with pytest.raises(ValueError, match=r"uses unregistered tool\(s\) \['add'\]"):
-        check_environments(missing)
+        check_tasks(Tasks.resolve(missing), missing.tools.sandbox)
 
 
 def test_what_identifies_the_tools_versions_the_stages_they_shape():
@@ -117,10 +120,14 @@ def test_what_identifies_the_tools_versions_the_stages_they_shape():
             tools={"mcp_servers": [server_config(version)]},
         )
         parents = {"generate-rollouts": "0" * 16}
+
+        def version(stage: str, parents: dict, position: dict) -> str:
+            return stage_version(stage, settings_of(stage, config), parents, position)
+
         return {
-            "code": environment_code(config)["calculator"],
-            "execute-tools": stage_version(config, "execute-tools", parents, {}),
-            "generate-rollouts": stage_version(config, "generate-rollouts", {"policy": "0" * 16}, {"turn": 0}),
+            "code": Tasks.resolve(config).code["calculator"],
+            "execute-tools": version("execute-tools", parents, {}),
+            "generate-rollouts": version("generate-rollouts", {"policy": "0" * 16}, {"turn": 0}),
         }
 
     first, again = versions("1.0.0", ["add"]), versions("1.0.0", ["add"])

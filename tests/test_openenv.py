@@ -20,9 +20,8 @@ from runtime.processes import free_port
 from schemas.config import RunConfig
 from schemas.features import GENERATE_ROLLOUTS, dataset_from_rows
 from stages.environments import ReplayError
-from stages.execute_tools import execute_tools
-from stages.registry import environment
-from stages.task_mix import check_environments
+from stages.execute_tools import ExecuteSettings, execute_tools
+from stages.registry import Tasks, check_tasks
 
 ROOT = Path(__file__).resolve().parent.parent
 GUESS, CALC = "openenv/guess", "openenv/calc"
@@ -33,7 +32,9 @@ IN_PROCESS = {
 
 
 def adapter(name: str, options: dict | None = None):
-    return environment(RunConfig(task={"name": name, "options": {name: options or IN_PROCESS[name]}}), name)
+    return Tasks.resolve(RunConfig(task={"name": name, "options": {name: options or IN_PROCESS[name]}})).environment(
+        name
+    )
 
 
 def bisect(env, task: dict) -> tuple[list, list[int]]:
@@ -97,9 +98,7 @@ def test_an_mcp_environments_tools_run_inside_its_episode():
         load_tokenizer(EMBEDDED_POLICY),
         {CALC: env},
         {},
-        task_config=config.task,
-        tools_config=config.tools,
-        generation_config=config.generation,
+        ExecuteSettings.resolve(config),
     )[0]
     assert [(call["result"], call["failure_kind"]) for call in turn["tool_calls"]] == [
         (str(a + b), None),
@@ -128,7 +127,7 @@ def test_a_bad_openenv_setting_is_refused_at_run_start():
     for label, (options, message) in refused.items():
         name = f"openenv/{label}"
         with pytest.raises(ValueError, match=message):
-            check_environments(RunConfig(task={"name": name, "options": {name: options}}))
+            check_tasks(Tasks.resolve(RunConfig(task={"name": name, "options": {name: options}})), sandbox=True)
 
 
 @pytest.fixture(scope="module")

@@ -440,7 +440,7 @@ def test_artifacts_sent_late_reach_the_api_on_the_run_they_came_from(tmp_path):
     (through the run's own client, which closes with the run, it failed with "the client has
     been closed", and its warning landed in whatever ran next)."""
     import logging
-    import time
+    import threading
 
     from prefect import flow
     from prefect.artifacts import create_table_artifact
@@ -450,8 +450,10 @@ def test_artifacts_sent_late_reach_the_api_on_the_run_they_came_from(tmp_path):
 
     from pipeline import artifacts
 
+    raised = threading.Event()
+
     def slow_table() -> None:
-        time.sleep(0.5)  # still queued when the flow raises
+        assert raised.wait(timeout=60)  # still queued when the flow raises: sent after it
         create_table_artifact(key="failed-flow-table", table=[{"rows": 1}], description=str(tmp_path))
 
     flow_runs = []
@@ -469,6 +471,7 @@ def test_artifacts_sent_late_reach_the_api_on_the_run_they_came_from(tmp_path):
     try:
         with pytest.raises(RuntimeError, match="a stage failed"):
             fails_after_sending()
+        raised.set()
         artifacts.flush()  # what sent_before_exit does as an outermost flow ends
     finally:
         logging.getLogger("prefect").removeHandler(handler)
@@ -481,15 +484,17 @@ def test_artifacts_sent_late_reach_the_api_on_the_run_they_came_from(tmp_path):
 
 
 PROCESS_ENDING_AFTER_ITS_FLOW = """
-import json, sys, time
+import json, sys, threading
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 from prefect.context import get_run_context
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from pipeline import artifacts
 
+subflow_ended = threading.Event()
+
 def slow_table():
-    time.sleep(1.0)  # still queued when both flows have ended
+    assert subflow_ended.wait(timeout=60)  # still queued when the subflow has ended
     create_table_artifact(key="sent-before-exit", table=[{"rows": 1}], description=sys.argv[1])
 
 @flow(name="sending-subflow")
@@ -501,7 +506,9 @@ def subflow():
 @flow(name="outermost")
 @artifacts.sent_before_exit
 def outermost():
-    return subflow()
+    sent_from = subflow()  # it returned with its artifact still queued: it does not wait for it
+    subflow_ended.set()
+    return sent_from
 
 with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):  # as mtrl: a flow's end joins no heartbeat
     print(json.dumps(outermost()))

@@ -16,13 +16,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PARENT = """
 import json, subprocess, sys, threading, time
+from pathlib import Path
 from runtime.processes import dies_with_this_thread, popen_for_this_process
+
+def became_sleep(pid):  # it asked for its signal, then exec'd the program: a thread's end reaches it now
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\\0")[0] != b"sleep" and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 children = {}
 def start():
     children["thread's"] = subprocess.Popen(dies_with_this_thread(["sleep", "300"])).pid
     children["process's"] = popen_for_this_process(["sleep", "300"]).pid
-    time.sleep(1)  # each child asks for its signal once it runs: until then no thread's end reaches it
+    for pid in children.values():
+        became_sleep(pid)
 worker = threading.Thread(target=start)
 worker.start()
 worker.join()  # the thread that asked for both children has ended
@@ -52,7 +59,9 @@ def test_a_child_for_the_process_outlives_the_thread_that_asked_and_dies_with_th
     try:
         children = json.loads(parent.stdout.readline())
         assert wait_until(lambda: not alive(children["thread's"]))  # ended with the thread that started it
-        time.sleep(0.5)  # the other child would have had as long to die
+        # Not a synchronisation: had it been tied to that thread too, its signal came at the same
+        # moment; this is the time it would have had to die (a slow machine can only hide a failure).
+        time.sleep(0.5)
         assert alive(children["process's"])
     finally:
         parent.send_signal(signal.SIGKILL)

@@ -13,9 +13,10 @@ from reasoning_gym.utils import extract_answer
 
 from pipeline.store import Store
 from schemas.config import RunConfig
-from stages.registry import environment, environment_code, run_environments
-from stages.sft import check_demonstrations, demonstration_sequence, demonstrators
-from stages.task_mix import check_environments, rollout_starts
+from stages.generate_rollouts import GenerateSettings
+from stages.generate_rollouts import rollout_starts as starts_of
+from stages.registry import Tasks, check_run_tasks
+from stages.sft import DemonstrationTasks, check_demonstrations, demonstration_sequence, demonstrators
 
 # Cheap generators whose scorer gives an answer without the gold one in it no partial credit (some do).
 GENERATORS = (
@@ -36,6 +37,20 @@ GENERATORS = (
 
 def task_name(generator: str) -> str:
     return f"reasoning-gym/{generator}"
+
+
+def environment(config: RunConfig, name: str):
+    return Tasks.resolve(config).environment(name)
+
+
+def check_environments(config: RunConfig) -> None:
+    """The task checks of a run's pre-flight (pipeline/preflight.py)."""
+    per_task = {"task.options": list(config.task.options), "task.tools": list(config.task.tools)}
+    check_run_tasks([Tasks.resolve(config)], config.tools.sandbox, per_task)
+
+
+def rollout_starts(config: RunConfig, iteration: int) -> list[dict]:
+    return starts_of(GenerateSettings.resolve(config), iteration)
 
 
 def package_score(task: dict, generator: str, options: dict, content: str) -> float:
@@ -74,12 +89,12 @@ def test_generator_settings_reach_the_items_and_a_bad_one_is_refused():
 
 def test_the_package_version_and_the_settings_version_the_stages_they_shape():
     name = task_name("chain_sum")
-    plain = environment_code(RunConfig(task={"name": name}))[name]
+    plain = Tasks.resolve(RunConfig(task={"name": name})).code[name]
     assert plain["package"] == "reasoning-gym==0.1.25" and plain["options"] == {}
     shorter = RunConfig(task={"name": name, "options": {name: {"max_terms": 3}}})
-    assert environment_code(shorter)[name]["options"] == {"max_terms": 3}
+    assert Tasks.resolve(shorter).code[name]["options"] == {"max_terms": 3}
     calculator_only = RunConfig(task={"name": name, "tools": {name: ["calculate"]}})
-    assert environment_code(calculator_only)[name]["code"] != plain["code"]  # the python tool's file left out
+    assert Tasks.resolve(calculator_only).code[name]["code"] != plain["code"]  # the python tool's file left out
     assert [tool["function"]["name"] for tool in rollout_starts(calculator_only, 0)[0]["tools"]] == ["calculate"]
 
 
@@ -95,7 +110,7 @@ def test_evaluation_tasks_come_from_other_seeds_than_training():
 def test_demonstrations_answer_with_the_gold_answer_and_warm_start(tiny):
     _, tokenizer = tiny
     config = RunConfig(task={"name": "calculator"}, sft={"steps": 1, "task": "reasoning-gym/gcd,reasoning-gym/lcm"})
-    tasks = demonstrators(config)
+    tasks = demonstrators(DemonstrationTasks.resolve(config))
     check_demonstrations(tasks)
     env, schemas, _ = tasks[0]
     task = env.sample_task(random.Random(0))
@@ -118,7 +133,7 @@ def test_demonstrations_answer_with_the_gold_answer_and_warm_start(tiny):
     # a generator without gold answers (only its scorer grades) cannot demonstrate
     no_gold = RunConfig(task={"name": "calculator"}, sft={"steps": 1, "task": "reasoning-gym/propositional_logic"})
     with pytest.raises(ValueError, match="has no gold answers"):
-        check_demonstrations(demonstrators(no_gold))
+        check_demonstrations(demonstrators(DemonstrationTasks.resolve(no_gold)))
 
 
 @pytest.mark.slow
@@ -150,8 +165,8 @@ def test_one_iteration_on_twelve_generators_scores_every_answer_with_the_package
             scored += 1
     assert scored > 0
     manifest = store.manifest("assign-rewards", result["versions"]["assign-rewards"])
-    assert manifest.derived["environment_code"][task_name("gcd")]["package"] == "reasoning-gym==0.1.25"
+    assert manifest.settings["tasks"]["code"][task_name("gcd")]["package"] == "reasoning-gym==0.1.25"
     metrics = manifest.metrics["per_task"]
     assert set(metrics) == {task_name(g) for g in GENERATORS}
     # every task the run used resolves the same way in a fresh lookup (what a re-run of a stage does)
-    assert set(run_environments(config)) == {task_name(g) for g in GENERATORS}
+    assert set(Tasks.resolve(config).environments()) == {task_name(g) for g in GENERATORS}

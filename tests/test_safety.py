@@ -39,8 +39,12 @@ def test_the_scan_catches_what_it_looks_for():
 
 
 def test_prefect_results_are_json_never_pickle():
-    from pipeline.tasks import generate_rollouts_task, ppo_update_task
+    """Every stage runs as the one stage task, configured per stage: its results stay JSON."""
+    from pathlib import Path
 
-    for task in (generate_rollouts_task, ppo_update_task):
+    from pipeline.stage_runs import configured_task, stage_task
+    from pipeline.stage_table import STAGES
+
+    for task in (stage_task, *(configured_task(name, True, Path("/tmp/results")) for name in STAGES)):
         serializer = task.result_serializer
         assert serializer == "json" or type(serializer).__name__ == "JSONSerializer"

@@ -12,15 +12,15 @@ import pytest
 from pipeline.flows import rl_training
 from pipeline.lineage import generating_policy, policy_before, policy_chain
 from pipeline.store import Store
-from pipeline.tasks import POLICY_ENGINE
 from schemas.config import RunConfig
+from stages.generate_rollouts.engine import ENGINE
 
 
 def train(config: RunConfig, staleness: int, iterations: int) -> list[dict]:
     try:
         return rl_training(config.with_overrides({"iterations": iterations, "ppo.max_staleness": staleness}))
     finally:
-        POLICY_ENGINE.close()
+        ENGINE.close()
 
 
 def policy_numbers(store: Store, newest: str) -> dict[str, int]:
@@ -121,10 +121,10 @@ def test_an_audit_failure_in_the_batch_made_ahead_fails_its_own_iteration_after_
 ):
     """Iteration 2's batch, made beside iteration 1's update, fails the audit (planted by the test):
     rl-iteration 1 still completes (update stored, AdamW states pruned, summary written) and the
-    failure is rl-iteration 2's, which makes the batch again (its turns found stored)."""
+    failure is rl-iteration 2's, whose ppo-update audits the batch before it trains."""
     from prefect.client.orchestration import get_client
 
-    from pipeline import flows
+    from pipeline import stage_runs
     from pipeline.audit import AuditError
     from pipeline.retention import pruned_optimizer_state
 
@@ -137,13 +137,13 @@ def test_an_audit_failure_in_the_batch_made_ahead_fails_its_own_iteration_after_
             raise AuditError(f"compute-advantages/{version} fails the audit: planted by the test")
         return real_audit(store, version, config, seed)
 
-    real_audit = flows.audit_before_training
-    monkeypatch.setattr(flows, "audit_before_training", audit_failing_iteration_2)
+    real_audit = stage_runs.audit_before_training  # ppo-update's task audits its batch (write_version)
+    monkeypatch.setattr(stage_runs, "audit_before_training", audit_failing_iteration_2)
     with pytest.raises(AuditError, match="planted by the test"):
         train(config, staleness=1, iterations=3)
-    # batch 0 by its iteration; batches 1 and 2 beside the update before them: batch 1's report is
-    # passed to its iteration, batch 2 failed and is made again by its own (its turns found stored)
-    assert audited == [0, 1, 2, 2]
+    # each batch once, by the ppo-update of its own iteration: batch 2, made beside update 1, fails
+    # in rl-iteration 2, never in the iteration it was made beside
+    assert audited == [0, 1, 2]
     store = Store(config.store.runs_dir)
     updates = sorted(store.versions("ppo-update"), key=lambda m: m.iteration)
     assert [m.iteration for m in updates] == [0, 1]

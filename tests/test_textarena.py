@@ -15,8 +15,7 @@ import textarena
 from pipeline.store import Store
 from schemas.config import RunConfig
 from stages.environments import ReplayError
-from stages.registry import environment
-from stages.task_mix import check_environments
+from stages.registry import Tasks, check_tasks
 
 GUESS = "textarena/GuessTheNumber-v0"
 # single-player games that go on after a reply that is not a move (an invalid move is warned about first)
@@ -43,7 +42,7 @@ def raw_game(seed: int):
 
 
 def test_a_game_is_played_as_textarena_plays_it_and_won_by_bisection():
-    env = environment(RunConfig(task={"name": GUESS}), GUESS)
+    env = Tasks.resolve(RunConfig(task={"name": GUESS})).environment(GUESS)
     task = env.sample_task(random.Random(0))
     assert "Guess The Number" in task["question"] and env.tools == ()
     low, high, state, turn, step = 1, 20, {}, 0, None
@@ -69,7 +68,7 @@ def test_a_game_is_played_as_textarena_plays_it_and_won_by_bisection():
 
 
 def test_a_game_that_does_not_repeat_its_answers_fails_instead_of_diverging():
-    env = environment(RunConfig(task={"name": GUESS}), GUESS)
+    env = Tasks.resolve(RunConfig(task={"name": GUESS})).environment(GUESS)
     task = env.sample_task(random.Random(1))
     first, second = play(env, task, ["[10]", "[3]"])
     tampered = {**second.state, "observations": ["0" * 16, *second.state["observations"][1:]]}
@@ -82,7 +81,7 @@ def test_a_game_that_does_not_repeat_its_answers_fails_instead_of_diverging():
 def test_concurrent_games_play_as_they_do_alone():
     """textarena draws from the global random: games stepped from 8 threads at once answer as
     they do one at a time, and the process's own random sequence is untouched."""
-    env = environment(RunConfig(task={"name": GUESS}), GUESS)
+    env = Tasks.resolve(RunConfig(task={"name": GUESS})).environment(GUESS)
     tasks = [env.sample_task(random.Random(seed)) for seed in range(8)]
     moves = ["[10]", "[5]", "[15]", "[12]", "[7]"]
     alone = [[s.observation for s in play(env, task, moves)] for task in tasks]
@@ -104,7 +103,7 @@ def test_concurrent_games_play_as_they_do_alone():
 )
 def test_a_game_that_cannot_run_here_is_refused_at_run_start(game, reason):
     with pytest.raises(ValueError, match=reason):
-        check_environments(RunConfig(task={"name": f"textarena/{game}"}))
+        check_tasks(Tasks.resolve(RunConfig(task={"name": f"textarena/{game}"})), sandbox=True)
 
 
 @pytest.mark.slow

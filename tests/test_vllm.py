@@ -25,7 +25,7 @@ from schemas.config import RunConfig
 from schemas.features import FinishReason
 from schemas.token_stream import prompt_token_ids, rollouts
 from stages.generate_rollouts import sampling_seed
-from stages.generate_rollouts.engine import Request, Sampling, open_engine
+from stages.generate_rollouts.engine import EngineSettings, Request, Sampling, open_engine
 from stages.generate_rollouts.vllm_engine import served_checkpoint
 from stages.policy.loading import load_model
 from stages.policy.scoring import score_rollouts
@@ -51,7 +51,8 @@ def vllm_config(runs_dir: Path, **sections) -> RunConfig:
 def engine(tmp_path_factory, tiny):
     """A vLLM server mtrl starts on the embedded policy (one for the module: a start takes ~30 s)."""
     _, tokenizer = tiny
-    engine = open_engine(EMBEDDED_POLICY, tokenizer, vllm_config(tmp_path_factory.mktemp("runs")))
+    settings = EngineSettings.resolve(vllm_config(tmp_path_factory.mktemp("runs")))
+    engine = open_engine(EMBEDDED_POLICY, tokenizer, settings)
     yield engine
     engine.close()
 
@@ -122,10 +123,11 @@ def test_a_server_that_cannot_start_is_a_clear_error_naming_its_log(tiny, tmp_pa
     _, tokenizer = tiny
     no_vllm = vllm_config(tmp_path, vllm={"python": sys.executable})  # mtrl's environment has no vLLM
     with pytest.raises(EngineError, match=r"exited with code 1 while starting; its log: .*vllm-policy\.log"):
-        open_engine(EMBEDDED_POLICY, tokenizer, no_vllm)
+        open_engine(EMBEDDED_POLICY, tokenizer, EngineSettings.resolve(no_vllm))
     assert "No module named" in (tmp_path / "logs" / "vllm-policy.log").read_text()
+    missing = vllm_config(tmp_path, vllm={"python": str(tmp_path / "none")})
     with pytest.raises(EngineError, match="vllm.python: no Python at"):
-        open_engine(EMBEDDED_POLICY, tokenizer, vllm_config(tmp_path, vllm={"python": str(tmp_path / "none")}))
+        open_engine(EMBEDDED_POLICY, tokenizer, EngineSettings.resolve(missing))
 
 
 def test_the_config_refuses_what_vllm_cannot_do_exactly():
@@ -148,7 +150,8 @@ def test_an_in_place_update_serves_what_a_fresh_server_on_that_checkpoint_serves
         in_place = engine.generate(requests, Sampling(1.0)).completions
     finally:
         engine.load_policy(EMBEDDED_POLICY)  # the module's other tests use the policy
-    fresh = open_engine(EXPERT, tokenizer, vllm_config(tmp_path, vllm={"weight_update": "restart"}))
+    restart = EngineSettings.resolve(vllm_config(tmp_path, vllm={"weight_update": "restart"}))
+    fresh = open_engine(EXPERT, tokenizer, restart)
     try:
         assert fresh.update["how"] == "server start"
         restarted = fresh.generate(requests, Sampling(1.0)).completions
@@ -284,8 +287,8 @@ def test_a_broken_update_fails_the_iteration_and_stores_no_rollouts_from_it(
     vllm.url, also leaves the tied lm_head stale on the CPU build: the probe would catch that too,
     but the test does not count on it.)"""
     from pipeline.flows import rl_training
-    from pipeline.tasks import POLICY_ENGINE
     from stages.generate_rollouts import vllm_engine
+    from stages.generate_rollouts.engine import ENGINE
 
     def expert_weights_for_trained_policies(model_dir, runs_dir):
         view = served_checkpoint(model_dir, runs_dir)
@@ -302,7 +305,7 @@ def test_a_broken_update_fails_the_iteration_and_stores_no_rollouts_from_it(
             try:
                 rl_training(config)
             finally:
-                POLICY_ENGINE.close()
+                ENGINE.close()
         store = Store(tmp_path / "runs")
         assert [m.iteration for m in store.versions("ppo-update")] == [0]  # iteration 0 (fresh weights) trained
         assert {m.iteration for m in store.versions("generate-rollouts")} == {0}  # nothing of iteration 1
