@@ -266,5 +266,3 @@ def optimizer_start(
     if not config.store.fresh_optimizer_if_pruned:
         raise retention.PrunedStateError(policy, store.manifest(POLICY, policy).iteration, pruned)
     return config
-
-
