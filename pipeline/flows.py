@@ -95,12 +95,11 @@ def rl_iteration(
             parents = {"compute-advantages": batch.advantaged, POLICY: policy_version}
             updated = run_stage(config, "ppo-update", parents)  # its task audits the batch first
             retention.prune_lineage(store, config.store.keep_optimizer_state, updated.policy)
-            metrics = batch.metrics
             get_run_logger().info(
                 "iteration %d: reward %.3f, success %.2f",
                 iteration,
-                metrics["reward_mean"] or 0,
-                metrics["success_rate"] or 0,
+                batch.metrics["reward_mean"] or 0,
+                batch.metrics["success_rate"] or 0,
             )
             publish_summary(store, updated.policy, plot=plot)
     return {
@@ -114,7 +113,7 @@ def rl_iteration(
             "compute-advantages": batch.advantaged,
             "ppo-update": updated.version,
         },
-        "metrics": metrics,
+        "metrics": batch.metrics,
         "next_batch": made_ahead(next_batch),
     }
 
@@ -124,8 +123,9 @@ def experience(
 ) -> Experience:
     """Everything of an iteration before ppo-update: its rollouts turn by turn (generate-rollouts,
     then execute-tools, until no rollout is active or the turn limit), their rewards and
-    advantages (stored versions are found at once); ppo-update audits the batch before it trains. `stop` (set when the thread
-    beside this one failed or was interrupted) ends it at the next turn or stage boundary."""
+    advantages (stored versions are found at once); ppo-update audits the batch before it trains.
+    `stop` (set when the thread beside this one failed or was interrupted) ends it at the next turn
+    or stage boundary."""
 
     def check_stop() -> None:
         if INTERRUPTED.is_set():  # a Ctrl-C, even one Prefect swallowed (runtime/interrupt.py)
