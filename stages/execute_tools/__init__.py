@@ -190,16 +190,12 @@ def execute_tools(
     return dataset_from_rows([{**row, **out} for row, out in zip(rows, outputs)], EXECUTE_TOOLS)
 
 
-def execute_turn(turns: datasets.Dataset, tokenizer: Any, settings: ExecuteSettings) -> datasets.Dataset:
-    """execute-tools on some of a turn's rows (all of them, or one Ray shard), with its
-    environments and tools."""
-    with PHASES.span("stage_compute"):  # the stage's own work, apart from reading and writing
-        return execute_tools(turns, tokenizer, settings.tasks.environments(), settings.tasks.tools(), settings)
-
-
 def execute_shard(turns: datasets.Dataset, policy_dir: str, settings: ExecuteSettings) -> datasets.Dataset:
-    """execute_turn where its rows run (this process, or a Ray worker): the policy's tokenizer by path."""
-    return execute_turn(turns, load_tokenizer(policy_dir), settings)
+    """execute-tools on some of a turn's rows (all of them, or one Ray shard), where they run (this
+    process, or a Ray worker): the policy's tokenizer by path, the environments and tools of the tasks."""
+    tokenizer, tasks = load_tokenizer(policy_dir), settings.tasks
+    with PHASES.span("stage_compute"):  # the stage's own work, apart from reading and writing
+        return execute_tools(turns, tokenizer, tasks.environments(), tasks.tools(), settings)
 
 
 def active_rollouts(dataset: datasets.Dataset) -> int:
