@@ -5,6 +5,7 @@ import os
 import resource
 import sys
 import time
+from pathlib import Path
 
 
 def slow_tool(seconds: float) -> str:
@@ -15,6 +16,21 @@ def slow_tool(seconds: float) -> str:
     """
     time.sleep(seconds)
     return "woke up"
+
+
+def barrier_tool(directory: str, parties: int) -> str:
+    """Arrive, then wait until `parties` calls have arrived: alone it never returns (its worker is
+    killed at the deadline), so every call answers only if the calls run at the same time.
+
+    Args:
+        directory: where each call leaves its mark
+        parties: how many calls must arrive
+    """
+    path = Path(directory)
+    (path / f"{os.getpid()}-{time.monotonic_ns()}").touch()
+    while len(list(path.iterdir())) < parties:
+        time.sleep(0.01)  # polling the condition, not a wait for time to pass
+    return f"{parties} arrived"
 
 
 def failing_tool(x: int) -> str:
