@@ -17,6 +17,7 @@ from schemas.config import RunConfig
 from schemas.stage import POLICY
 from schemas.token_stream import continue_streams, rollouts
 from stages import generate_rollouts
+from stages.environments import ENVIRONMENTS
 from stages.generate_rollouts.engine import ENGINE
 
 TURNS = 6
@@ -58,7 +59,8 @@ def play(config: RunConfig, forget: bool) -> tuple[list[str], list[int]]:
 def played(tmp_path_factory, prefect_server):
     generate_rollouts.STREAMS.clear()
     warm_config, cold_config = (long_config(tmp_path_factory.mktemp(name)) for name in ("warm", "cold"))
-    return (warm_config, *play(warm_config, forget=False)), (cold_config, *play(cold_config, forget=True))
+    yield (warm_config, *play(warm_config, forget=False)), (cold_config, *play(cold_config, forget=True))
+    ENVIRONMENTS.pop("long-talk", None)  # the plugin's task: other tests list the registered ones
 
 
 def test_a_turn_reads_only_the_previous_one_when_this_process_generated_it(played):
