@@ -137,14 +137,21 @@ def served_guess():
     command = [sys.executable, "-m", "uvicorn", "tests.openenv_envs:guess_app", "--host", "127.0.0.1"]
     server = subprocess.Popen([*command, "--port", str(port)], cwd=ROOT, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
+
+    def answers() -> bool:
         try:
             urllib.request.urlopen(f"{url}/health", timeout=1).close()
-            break
+            return True
         except OSError:
-            assert server.poll() is None and time.monotonic() < deadline, "the environment server did not start"
-            time.sleep(0.2)
+            return False
+
+    # Wait for the server's own outcome: it answers, or it exits. (The bound only keeps a server that
+    # does neither from hanging the suite; it is no claim on how fast it starts.)
+    waited_until = time.monotonic() + 600
+    while not answers() and server.poll() is None and time.monotonic() < waited_until:
+        time.sleep(0.2)
+    assert server.poll() is None, f"the environment server exited with {server.returncode} before it answered"
+    assert answers(), "the environment server neither answered nor exited"
     yield url
     server.terminate()
     server.wait(timeout=30)
