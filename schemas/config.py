@@ -548,23 +548,3 @@ class RunConfig(Section):
         """Do two stages compute at once? With ppo.max_staleness > 0 the next iteration's batch
         generates while ppo-update trains (the thread default halves the cores then)."""
         return self.ppo.max_staleness > 0
-
-    def pick(self, *paths: str, leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
-        """These fields as a JSON-normalised partial config (what a stage hashes into its
-        version), e.g. pick("advantage", "ppo.kl_coef") -> {"advantage": {...}, "ppo": {"kl_coef": 0.05}};
-        `leave_out` drops fields inside the picked sections, e.g. pick("ppo", leave_out=("ppo.nodes",))."""
-        everything = self.model_dump(mode="json")
-        picked: dict[str, Any] = {}
-        for path in paths:
-            *sections, field = path.split(".")
-            source, target = everything, picked
-            for name in sections:
-                source, target = source[name], target.setdefault(name, {})
-            target[field] = source[field]
-        for path in leave_out:
-            *sections, field = path.split(".")
-            target = picked
-            for name in sections:
-                target = target[name]
-            del target[field]
-        return picked

@@ -21,7 +21,6 @@ from (`read`), resolved in one place (`Settings.resolve`); the run config's own 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -43,6 +42,11 @@ def read(*paths: str, placement: bool = False) -> Any:
     only says where the stage runs or how long it may wait, not what it computes (a server's URL, a
     timeout that fails a hung job, worker threads): left out of the version."""
     return Field(json_schema_extra={"read": list(paths), "placement": placement})
+
+
+def _declared(info: Any) -> dict[str, Any]:
+    """What `read` declared of a settings field ({} for a field it did not make)."""
+    return info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
 
 
 def _config_value(config: Mapping[str, Any], paths: list[str]) -> Any:
@@ -72,9 +76,8 @@ class Settings(BaseModel):
     def _fields_of(cls, config: Mapping[str, Any]) -> dict[str, Any]:
         found = {}
         for name, info in cls.model_fields.items():
-            extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-            if "read" in extra:
-                found[name] = _config_value(config, extra["read"])
+            if "read" in _declared(info):
+                found[name] = _config_value(config, _declared(info)["read"])
             elif isinstance(info.annotation, type) and issubclass(info.annotation, Settings):
                 found[name] = info.annotation._fields_of(config)
         return found
@@ -84,8 +87,7 @@ class Settings(BaseModel):
         JSON-normalised, less the placement fields (at every level)."""
         dumped = self.model_dump(mode="json")
         for name, info in type(self).model_fields.items():
-            extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-            if extra.get("placement"):
+            if _declared(info).get("placement"):
                 del dumped[name]
             elif isinstance(value := getattr(self, name), Settings):
                 dumped[name] = value.hashed()
@@ -125,8 +127,9 @@ class Inputs(Protocol):
         """The policy that generated the rollouts an input was computed from."""
         ...
 
-    def scratch(self) -> contextlib.AbstractContextManager[Path]:
-        """A work folder inside the store (every node of a cluster sees it), removed afterwards."""
+    def scratch(self) -> Path:
+        """A new work folder inside the store (every node of a cluster sees it), removed once the
+        stage's output is written."""
         ...
 
 
