@@ -142,6 +142,19 @@ def check_run_tasks(mixes: list[Tasks], sandbox: bool, settings_by_task: dict[st
         check_tasks(tasks, sandbox)
 
 
+def start_task(environment: Environment, name: str, rng: random.Random) -> tuple[Any, list[dict[str, Any]]]:
+    """A task of the environment (task `name`) sampled with `rng`, and its first messages; both
+    JSON, as the rollouts store them. Any failure (a game that needs a download, a bad generator
+    option, an environment server that is down) is a ValueError naming the task."""
+    try:
+        task = environment.sample_task(rng)
+        messages = environment.reset(task)
+        json.dumps([task, messages])
+    except Exception as exc:
+        raise ValueError(f"environment '{name}' failed to start a task: {exc.__class__.__name__}: {exc}") from exc
+    return task, messages
+
+
 def check_tasks(tasks: Tasks, sandbox: bool) -> None:
     """Every task of the mix is registered or adapted and starts a task; its tools are registered,
     have a JSON schema (a typed signature and a docstring with an Args section) and, in the sandbox,
@@ -149,10 +162,7 @@ def check_tasks(tasks: Tasks, sandbox: bool) -> None:
     tools = tasks.tools()
     for name in tasks.names():
         found = tasks.environment(name)
-        try:  # a game that needs a download, a bad generator option, an environment server that is down
-            json.dumps(found.reset(found.sample_task(random.Random(0))))
-        except Exception as exc:
-            raise ValueError(f"environment '{name}' failed to start a task: {exc.__class__.__name__}: {exc}") from None
+        start_task(found, name, random.Random(0))
         if found.runs_tool_calls:
             continue  # its tools run inside its episodes (an OpenEnv MCPEnvironment's)
         missing = [tool for tool in found.tools if tool not in tools]
@@ -183,7 +193,7 @@ def check_tools_reach_the_model(tokenizer: Any, mixes: list[Tasks], enable_think
         schemas = tool_schemas(environment, tools)
         if not schemas:
             continue  # a task without tools (a text game) has none to show
-        messages = environment.reset(environment.sample_task(random.Random(0)))
+        messages = start_task(environment, name, random.Random(0))[1]
         prompt = prompt_token_ids(tokenizer, messages, schemas, enable_thinking)
         if prompt == prompt_token_ids(tokenizer, messages, None, enable_thinking):
             raise ValueError(

@@ -42,7 +42,7 @@ from schemas.token_stream import (
 from stages.generate_rollouts import hf, vllm_engine  # noqa: F401  (register the "hf" and "vllm" engines)
 from stages.generate_rollouts.engine import ENGINE, Completion, EngineSettings, GenerationEngine, Request
 from stages.policy.loading import load_tokenizer
-from stages.registry import Tasks, check_tasks, tool_schemas
+from stages.registry import Tasks, check_tasks, start_task, tool_schemas
 
 
 class GenerateSettings(Settings):
@@ -89,12 +89,7 @@ def rollout_starts(settings: GenerateSettings, iteration: int) -> list[dict[str,
     for group_id, name in enumerate(groups_per_task(settings.tasks.mix, settings.rollouts // settings.group_size)):
         found = settings.tasks.environment(name)
         schemas = tool_schemas(found, tools)
-        try:
-            task = found.sample_task(rng)
-            messages = found.reset(task)
-            json.dumps(task)
-        except Exception as exc:
-            raise ValueError(f"environment '{name}' failed to start a task: {exc.__class__.__name__}: {exc}") from exc
+        task, messages = start_task(found, name, rng)
         for _ in range(settings.group_size):
             starts.append(
                 {
