@@ -70,10 +70,10 @@ def train_on_ranks(
     train_critic: bool,
     seed: int,
     report_progress: Callable[[float], None] | None,
-) -> tuple[TrainedOnRanks, dict[str, Any], PassCounts]:
+) -> tuple[TrainedOnRanks, dict[str, Any], PassCounts, dict[str, Any]]:
     """train_policy on settings.world_size processes (runtime/launch.py: torchrun here, or on
     settings.nodes Ray nodes), each one a worker.py; returns what rank 0 wrote, the memory of the
-    largest rank (then each rank's) and every rank's passes."""
+    largest rank (then each rank's), every rank's passes and where the ranks ran."""
     work = inputs.scratch()
     request = worker.write_request(
         work,
@@ -92,7 +92,7 @@ def train_on_ranks(
         add_counts(passes, rank.pop("passes"))
     # the largest rank's peak, as one process reports its own; then each rank's
     memory = {name: max(rank[name] for rank in ranks) for name in ("rss_before_mb", "peak_rss_mb")}
-    return trained, {**memory, "ranks": ranks, "scope": "the largest rank", "nodes": nodes}, passes
+    return trained, {**memory, "ranks": ranks, "scope": "the largest rank"}, passes, {"nodes": nodes}
 
 
 @dataclass
@@ -138,13 +138,13 @@ def run(inputs: Inputs, settings: PPOSettings, report_progress: Callable[[float]
                 turns, policy_dir, settings, train_critic=train_critic, seed=seed, report_progress=report_progress
             )
         else:
-            trained, ranks_memory, rank_passes = train_on_ranks(
+            trained, ranks_memory, rank_passes, placement = train_on_ranks(
                 inputs, settings, policy_dir, train_critic, seed, report_progress
             )
             add_counts(passes, rank_passes)
-    memory["scope"] = "the process, with the next batch made beside it" if beside else "this stage"
-    if settings.world_size > 1:  # the ranks' memory, not this process's (which only waited for them)
-        placement["nodes"] = ranks_memory.pop("nodes")
+    if settings.world_size == 1:
+        memory["scope"] = "the process, with the next batch made beside it" if beside else "this stage"
+    else:  # the ranks' memory, not this process's (which only waited for them)
         memory = ranks_memory
     fields = {
         "metrics": metrics_summary(trained.metrics),
