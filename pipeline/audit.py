@@ -36,7 +36,7 @@ from pipeline.lineage import generating_policy, load_turns
 from pipeline.store import Store
 from runtime.passes import PassCounts, counting_passes
 from schemas.config import RunConfig
-from schemas.features import GENERATE_ROLLOUTS, dataset_from_rows
+from schemas.features import GENERATE_ROLLOUTS, dataset_from_rows, is_agent_rollout
 from schemas.stage import POLICY
 from schemas.token_stream import Rollout, generation_prompt_ids, prompt_token_ids, rollouts
 from stages.environments import Environment
@@ -111,15 +111,21 @@ def audit(
                 report.add(
                     "contiguous", f"{where}: turn {turns_seen[stops.index(True)]} has a stop reason but is not the last"
                 )
-        for row, (offset, _) in zip(rows, rollout.context_spans):
+        agent = is_agent_rollout(rows[0])
+        if len(rollout.segment_starts) > 1 and not agent:
+            report.add("stream", f"{where}: turn {rows[rollout.segment_starts[1]]['turn']} has stream_offset 0")
+        for position, row in enumerate(rows):
             at = f"{where} turn {row['turn']}"
+            offset = rollout.context_spans[position][0] - rollout.segment_start(position)
             report.add(
                 "stream",
                 None
                 if row["stream_offset"] == offset
                 else f"{at}: stream_offset {row['stream_offset']}, but the turns before it hold {offset} tokens",
             )
-            if row["turn"] == 0:
+            if agent and row["stream_offset"] == 0:
+                pass  # an agent's segment starts with its own messages rendered, no task prompt to compare
+            elif row["turn"] == 0:
                 environment = environments.get(row["task"])
                 if environment is not None:
                     messages = environment.reset(json.loads(row["task_payload"]))

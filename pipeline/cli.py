@@ -54,6 +54,7 @@ RUN_FLAGS = {  # flag -> (config field, type, help)
     "--seed": ("seed", int, "seed of tasks, sampling and training"),
     "--model": ("model.path", str, "local HF causal-LM directory, GGUF file or hub id (default: embedded tiny model)"),
     "--runner": ("runner.kind", str, "where tools run: thread or ray"),
+    "--agent": ("agent.function", str, "MODULE:FUNCTION of an agent program run against mtrl's endpoint"),
     "--runs-dir": ("store.runs_dir", str, "root of the versioned store"),
     "--sft-steps": ("sft.steps", int, "warm-start steps on demonstrations before RL (0 = none)"),
 }

@@ -133,7 +133,7 @@ def experience(
         if stop is not None and stop.is_set():
             raise StoppedError(f"iteration {iteration}'s experience stopped: the thread beside it failed")
 
-    turn_limit = settings_of("generate-rollouts", config).tasks.longest_turn_limit()
+    turn_limit = settings_of("generate-rollouts", config).turn_limit()
     progress = generation_progress(iteration, turn_limit)
     turns: list[str] = []  # the execute-tools version of each turn
     for turn in range(turn_limit):

@@ -220,6 +220,28 @@ class ToolsConfig(Section):
         return self
 
 
+class AgentConfig(Section):
+    """An agent program instead of the native turn loop (docs/agents.md): mtrl serves an
+    OpenAI-compatible endpoint for the policy and records every call."""
+
+    function: str | None = Field(
+        None,
+        description="MODULE:FUNCTION of an agent program (sync or async) called once per rollout with an "
+        "AgentRollout (task, base_url, api_key, model, client); it returns the reward, or None for the task's "
+        "reward of its final answer. null = the native loop.",
+    )
+    concurrency: int = Field(0, ge=0, description="Rollouts whose agents run at once; 0 = all of the iteration's.")
+    timeout_s: float = Field(
+        300.0, gt=0, description="Deadline of one rollout's agent: past it the rollout fails, the run goes on."
+    )
+    max_calls: int | None = Field(
+        None,
+        ge=1,
+        description="Model calls per rollout; null = the task's turn limit. The next call is refused "
+        "and the rollout cut at the limit (max_turns).",
+    )
+
+
 class RewardConfig(Section):
     truncated_reward: float = Field(
         0.0, ge=-1e6, le=1e6, description="Final reward of a rollout cut by its turn limit or the context budget."
@@ -506,6 +528,7 @@ class RunConfig(Section):
     vllm: VLLMConfig = VLLMConfig()
     tools: ToolsConfig = ToolsConfig()
     reward: RewardConfig = RewardConfig()
+    agent: AgentConfig = AgentConfig()
     advantage: AdvantageConfig = AdvantageConfig()
     ppo: PPOConfig = PPOConfig()
     sft: SFTConfig = SFTConfig()

@@ -11,6 +11,7 @@ survive save/load bit-exactly. Only each turn's new tokens are stored (the delta
 
 from __future__ import annotations
 
+import json
 from enum import StrEnum
 
 from datasets import Dataset, Features, List, Value
@@ -134,6 +135,20 @@ SFT = Features(  # one row per optimiser step of the warm start
         "grad_norm": Value("float32"),
     }
 )
+
+
+AGENT_STATE = "agent"  # the key of an agent rollout's env_state: what the agent did after the call
+
+
+def agent_state(env_state: str | None) -> dict | None:
+    """What an agent rollout's turn recorded after its call (stages/generate_rollouts/agents): the
+    tokens and messages the agent added, and on its last call how it ended. None on a native turn."""
+    return json.loads(env_state or "{}").get(AGENT_STATE)
+
+
+def is_agent_rollout(row: dict) -> bool:
+    """Was this turn a call of an agent program, not a turn of the native loop?"""
+    return agent_state(row["env_state"]) is not None
 
 
 def dataset_from_rows(rows: list[dict], features: Features) -> Dataset:

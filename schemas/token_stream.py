@@ -121,7 +121,12 @@ class Rollout:
 
         token_ids = concat over its turns of context + completion + observation tokens
 
-    with the span of each turn's part in it (a completion span holds the trained tokens)."""
+    with the span of each turn's part in it (a completion span holds the trained tokens).
+
+    A rollout may hold several segments: an agent's call whose context does not extend the call
+    before it (the agent edited its history) starts a new one, its context rendered whole
+    (stream_offset 0 after turn 0). The model saw each segment alone: `segment_spans` says where
+    each begins and ends in token_ids, and a turn's stream starts at its segment's start."""
 
     rollout_id: int
     rows: list[int] = field(default_factory=list)  # the dataset row of each turn, in turn order
@@ -131,23 +136,49 @@ class Rollout:
     completion_spans: list[Span] = field(default_factory=list)
     observation_spans: list[Span] = field(default_factory=list)
     failed: bool = False  # a turn is flagged failed: never scored, never trained on
+    segment_starts: list[int] = field(default_factory=list)  # positions (in rows) that start a segment
+
+    def segment_start(self, position: int) -> int:
+        """Where the segment of the turn at `position` begins in token_ids."""
+        first = max(start for start in self.segment_starts if start <= position)
+        return self.context_spans[first][0]
+
+    def segment_spans(self) -> list[tuple[list[int], Span]]:
+        """Each segment's turn positions and its [start, end) in token_ids."""
+        bounds = [*self.segment_starts, len(self.rows)]
+        return [
+            (list(range(first, last)), (self.context_spans[first][0], self.observation_spans[last - 1][1]))
+            for first, last in zip(bounds, bounds[1:])
+        ]
 
     def stream_before(self, position: int) -> list[int]:
         """The tokens the model saw before sampling the completion of the turn at `position`."""
-        return self.token_ids[: self.completion_spans[position][0]]
+        return self.token_ids[self.segment_start(position) : self.completion_spans[position][0]]
 
 
 def rollouts(turns: datasets.Dataset) -> list[Rollout]:
     """The rollouts of a dataset of turn rows, by rollout_id, each with its turns in order. A
-    dataset without observations (generate-rollouts) has empty observation spans."""
-    names = ["rollout_id", "turn", "failed", "context_token_ids", "completion_token_ids", "observation_token_ids"]
+    dataset without observations (generate-rollouts) has empty observation spans. A turn after the
+    first with stream_offset 0 starts a new segment (Rollout)."""
+    names = [
+        "rollout_id",
+        "turn",
+        "failed",
+        "stream_offset",
+        "context_token_ids",
+        "completion_token_ids",
+        "observation_token_ids",
+    ]
     columns = turns.select_columns([n for n in names if n in turns.column_names]).to_dict()
     rows = len(columns["turn"])
     observations = columns.get("observation_token_ids", [[]] * rows)
     failed = columns.get("failed", [False] * rows)
+    offsets = columns.get("stream_offset", [None] * rows)
     by_id: dict[int, Rollout] = {}
     for row in sorted(range(rows), key=lambda i: (columns["rollout_id"][i], columns["turn"][i])):
         rollout = by_id.setdefault(columns["rollout_id"][row], Rollout(columns["rollout_id"][row]))
+        if not rollout.rows or offsets[row] == 0:
+            rollout.segment_starts.append(len(rollout.rows))
         rollout.rows.append(row)
         rollout.turns.append(columns["turn"][row])
         rollout.failed |= bool(failed[row])

@@ -15,7 +15,7 @@ import datasets
 import numpy as np
 
 from runtime.phases import PHASES
-from schemas.features import ASSIGN_REWARDS, StopReason
+from schemas.features import ASSIGN_REWARDS, StopReason, agent_state
 from schemas.stage import Inputs, Output, Settings, Stage, read
 from schemas.token_stream import rollouts
 from stages.environments import Environment
@@ -47,8 +47,13 @@ def assign_rewards(
         if end["failed"]:
             final_reward[rollout.rollout_id] = math.nan
         elif end["stop_reason"] == StopReason.DONE:
-            try:
-                reward = float(environments[end["task"]].reward(json.loads(end["task_payload"]), end))
+            returned = (agent_state(end["env_state"]) or {}).get("end", {}).get("reward")
+            try:  # an agent's own reward, or its task's reward of the final answer
+                reward = (
+                    returned
+                    if returned is not None
+                    else float(environments[end["task"]].reward(json.loads(end["task_payload"]), end))
+                )
             except Exception as exc:  # an environment bug fails this rollout, visibly, not the run
                 reward_failures[rollout.rollout_id] = f"environment '{end['task']}' reward raised {exc!r}"[:1000]
                 reward = math.nan

@@ -10,9 +10,10 @@ import torch
 
 from pipeline.evaluate import run_episodes
 from schemas.config import RunConfig
-from stages.generate_rollouts import sampling_seed, split_thinking
+from stages.generate_rollouts import sampling_seed
 from stages.generate_rollouts.engine import Request, Sampling
 from stages.generate_rollouts.hf import HFEngine, filter_logits
+from stages.hermes import split_thinking
 from stages.policy.loading import eos_token_ids
 
 

@@ -22,7 +22,7 @@ import datasets
 
 from runtime.phases import PHASES
 from runtime.ray import map_row_shards
-from schemas.features import EXECUTE_TOOLS, FinishReason, StopReason, dataset_from_rows
+from schemas.features import EXECUTE_TOOLS, FinishReason, StopReason, agent_state, dataset_from_rows
 from schemas.stage import POLICY, Inputs, Output, Settings, Stage, read
 from schemas.token_stream import generation_prompt_ids, observation_token_ids
 from stages.execute_tools.calls import (
@@ -74,6 +74,9 @@ def _step_turn(
     }
     if row["failed"]:  # generation failed for this rollout: flagged, never scored
         return {**out, "stop_reason": StopReason.FAILED}
+    recorded = agent_state(row["env_state"])
+    if recorded is not None:  # an agent program's call: its tools ran in the agent, recorded
+        return {**out, **agent_turn(row, recorded, tokenizer)}
     if row["finish_reason"] == FinishReason.LENGTH:  # cut mid-answer: nothing to execute
         used = row["stream_offset"] + len(row["context_token_ids"]) + len(row["completion_token_ids"])
         # cut by the context budget (it left less than max_new_tokens), or by max_new_tokens
@@ -135,6 +138,39 @@ def _step_turn(
     out["observation"] = tokenizer.decode(observation)
     out["next_stop"] = list(step.stop or [])
     return out
+
+
+def agent_turn(row: dict[str, Any], recorded: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """What an agent did after its call (stages/generate_rollouts/agents): the tool calls the model
+    wrote with the results the agent sent back for them, the tokens it added before its next call,
+    and, after its last call, how the rollout ended."""
+    results = {m.get("tool_call_id"): m.get("content", "") for m in recorded["added_messages"] if m["role"] == "tool"}
+    calls = parse_tool_calls(row["content"])
+    rollout_id, turn = row["rollout_id"], row["turn"]
+    answered = [
+        ToolResult(results[f"call_{rollout_id}_{turn}_{n}"], None, call.id)
+        if f"call_{rollout_id}_{turn}_{n}" in results
+        else None
+        for n, call in enumerate(calls)
+    ]
+    out = {
+        "tool_calls": tool_call_rows(calls, answered),
+        "observation_token_ids": recorded["observation_token_ids"],
+        "observation": tokenizer.decode(recorded["observation_token_ids"]),
+    }
+    end = recorded["end"]
+    if end is None:
+        return out
+    stop = end["stop_reason"]
+    failed = stop == StopReason.FAILED
+    return {
+        **out,
+        "stop_reason": stop,
+        "terminated": stop == StopReason.DONE,
+        "truncated": stop == StopReason.MAX_TURNS,
+        "failed": failed,
+        "failure": end["failure"] if failed else None,
+    }
 
 
 def tool_call_rows(calls: list[ToolCall], results: list[ToolResult | None]) -> list[dict[str, Any]]:

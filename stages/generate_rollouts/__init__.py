@@ -40,7 +40,11 @@ from schemas.token_stream import (
     rollouts,
 )
 from stages.generate_rollouts import hf, vllm_engine  # noqa: F401  (register the "hf" and "vllm" engines)
+from stages.generate_rollouts.agents import AgentSettings
+from stages.generate_rollouts.agents.record import RolloutRecord
+from stages.generate_rollouts.agents.run import RECORDS, RECORDS_KEPT, agent_rows, run_agents
 from stages.generate_rollouts.engine import ENGINE, Completion, EngineSettings, GenerationEngine, Request
+from stages.hermes import split_thinking
 from stages.policy.loading import load_tokenizer
 from stages.registry import Tasks, check_tasks, start_task, tool_schemas
 
@@ -53,20 +57,21 @@ class GenerateSettings(Settings):
     max_new_tokens: int = read("generation.max_new_tokens")
     enable_thinking: bool = read("generation.enable_thinking")
     sandbox: bool = read("tools.sandbox")  # the tasks' tools are checked importable by a sandbox worker
+    agent: AgentSettings  # an agent program instead of the native loop (agents/)
+
+    def call_limit(self, task: str) -> int:
+        """A rollout's turns (native) or model calls (an agent's) at most."""
+        return self.agent.max_calls or self.tasks.turn_limit(task)
+
+    def turn_limit(self) -> int:
+        """Rounds of an iteration at most: the longest limit of the task mix."""
+        return max(self.call_limit(name) for name in self.tasks.names())
 
 
 def sampling_seed(seed: int, iteration: int, rollout_id: int, turn: int) -> int:
     """A 63-bit seed per rollout turn, independent of batch composition."""
     digest = hashlib.sha256(f"{seed}/{iteration}/{rollout_id}/{turn}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
-
-
-def split_thinking(text: str) -> tuple[str, str]:
-    """(thinking, content) of an assistant completion decoded without special tokens."""
-    if "</think>" not in text:
-        return "", text.strip()
-    thinking, content = text.rsplit("</think>", 1)
-    return thinking.split("<think>", 1)[-1].strip(), content.strip()
 
 
 def check_context_budget(max_context_tokens: int, max_model_len: int) -> None:
@@ -243,6 +248,8 @@ def run(
     policy_dir = inputs.folder(POLICY)
     tokenizer = load_tokenizer(str(policy_dir))
     engine = ENGINE.serving(policy_dir, tokenizer, settings.engine)
+    if settings.agent.function is not None:
+        return agent_turn(engine, tokenizer, settings, inputs.parents[POLICY], iteration, turn)
     # every earlier turn, read only where this process lost them (the streams, the engine's caches), once
     history = functools.cache(lambda: inputs.turns("execute-tools"))
     if turn == 0:
@@ -265,6 +272,46 @@ def run(
     provenance_fields = provenance(settings, tokenizer) | {"engine": engine.describe()}
     # a cold engine (a resumed run) replays the earlier turns first; 0.0 means bit-identical
     return Output(dataset, {"provenance": provenance_fields, "replay": replay})
+
+
+def agent_records(
+    engine: GenerationEngine, tokenizer: Any, settings: GenerateSettings, iteration: int
+) -> dict[int, RolloutRecord]:
+    """The iteration's agent rollouts, run against the endpoint until each returned or failed."""
+    return run_agents(
+        engine,
+        tokenizer,
+        rollout_starts(settings, iteration),
+        settings.agent,
+        call_limits={name: settings.call_limit(name) for name in settings.tasks.names()},
+        sampling=settings.engine.sampling(),
+        max_new_tokens=settings.max_new_tokens,
+        max_context_tokens=settings.engine.max_context_tokens,
+        enable_thinking=settings.enable_thinking,
+        seed_of=lambda rollout_id, call: sampling_seed(settings.engine.seed, iteration, rollout_id, call),
+    )
+
+
+def agent_turn(
+    engine: GenerationEngine, tokenizer: Any, settings: GenerateSettings, policy_version: str, iteration: int, turn: int
+) -> Output:
+    """Turn `turn` of an iteration of agent rollouts: the calls of that index (agents/run.py). The
+    agents run at turn 0, or when this process has no record of the iteration (a resumed run)."""
+    check_context_budget(settings.engine.max_context_tokens, engine.max_model_len)
+    key = (policy_version, iteration, settings.model_dump_json())
+    if key not in RECORDS:
+        with PHASES.span("stage_compute"):
+            RECORDS[key] = agent_records(engine, tokenizer, settings, iteration)
+        while len(RECORDS) > RECORDS_KEPT:
+            RECORDS.popitem(last=False)
+    rows = agent_rows(RECORDS[key], turn, tokenizer)
+    for row in rows:
+        row.update(iteration=iteration, policy_version=policy_version)
+    provenance_fields = provenance(settings, tokenizer) | {
+        "engine": engine.describe(),
+        "agent": settings.agent.function,
+    }
+    return Output(dataset_from_rows(rows, GENERATE_ROLLOUTS), {"provenance": provenance_fields, "replay": None})
 
 
 STAGE = Stage(

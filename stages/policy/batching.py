@@ -40,25 +40,29 @@ OPTIONAL_COLUMNS = ("advantages", "returns", "values", "ref_logprobs")
 
 def rollout_sequences(turns: datasets.Dataset, include_failed: bool = False) -> list[RolloutSequence]:
     """One sequence per rollout, in rollout order (failed rollouts left out): its whole token
-    stream, with its completion tokens as targets."""
+    stream, with its completion tokens as targets; a rollout of several segments (an agent that
+    edited its history) gives one sequence per segment, each the tokens the model saw."""
     optional = [name for name in OPTIONAL_COLUMNS if name in turns.column_names]
     columns = turns.select_columns(["completion_logprobs", *optional]).to_dict()
     sequences = []
     for rollout in rollouts(turns):
         if rollout.failed and not include_failed:
             continue
-        seq = RolloutSequence(rows=rollout.rows, token_ids=rollout.token_ids)
-        for row, (start, end) in zip(rollout.rows, rollout.completion_spans):
-            seq.target_positions += range(start, end)
-            seq.generation_logprobs += columns["completion_logprobs"][row]
-            for name, target in (("advantages", seq.advantages), ("returns", seq.returns)):
-                if name in columns:
-                    target += columns[name][row]
-            if columns.get("values") and columns["values"][row]:
-                seq.old_values += columns["values"][row]
-            if columns.get("ref_logprobs") and columns["ref_logprobs"][row]:
-                seq.ref_logprobs += columns["ref_logprobs"][row]
-        sequences.append(seq)
+        for positions, (first, last) in rollout.segment_spans():
+            rows = [rollout.rows[position] for position in positions]
+            seq = RolloutSequence(rows=rows, token_ids=rollout.token_ids[first:last])
+            for position, row in zip(positions, rows):
+                start, end = rollout.completion_spans[position]
+                seq.target_positions += range(start - first, end - first)
+                seq.generation_logprobs += columns["completion_logprobs"][row]
+                for name, target in (("advantages", seq.advantages), ("returns", seq.returns)):
+                    if name in columns:
+                        target += columns[name][row]
+                if columns.get("values") and columns["values"][row]:
+                    seq.old_values += columns["values"][row]
+                if columns.get("ref_logprobs") and columns["ref_logprobs"][row]:
+                    seq.ref_logprobs += columns["ref_logprobs"][row]
+            sequences.append(seq)
     return sequences
 
 

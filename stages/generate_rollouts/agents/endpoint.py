@@ -1,0 +1,277 @@
+"""The OpenAI-compatible endpoint mtrl serves on 127.0.0.1 while agents run.
+
+    GET  /rollouts/{id}/v1/models                 the policy, with max_model_len
+    POST /rollouts/{id}/v1/chat/completions       streamed or not; tool calls parsed from the model's text
+    POST /rollouts/{id}/v1/responses              the Responses API (not streamed)
+    POST /rollouts/{id}/inference/v1/generate     token ids in and out (verifiers' train client)
+
+A rollout is known by its path and the run's secret key (Authorization: Bearer KEY). Requests that
+wait at one moment go to the engine as one batch (the sampler thread); each call is sampled with
+its own seed (rollout, call), so a deterministic agent gets the same tokens whatever else is in the
+batch. A retried identical request is answered from the record, never sampled twice. A request
+mtrl cannot serve gets a 4xx JSON error that says why, and fails its rollout only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from stages.generate_rollouts.agents import openai_api
+from stages.generate_rollouts.agents.record import Call, RequestError, RolloutRecord, next_call, reply_of
+from stages.generate_rollouts.engine import GenerationEngine, Request, Sampling
+
+GATHER_S = 0.03  # after a request arrives, how long the sampler waits for the other agents' calls
+_PATH = re.compile(r"^/rollouts/(\d+)(/.*)$")
+
+
+class Endpoint:
+    """The records of one iteration's agent rollouts, the sampler that serves their calls, and the
+    HTTP server in front of them."""
+
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        tokenizer: Any,
+        records: dict[int, RolloutRecord],
+        *,
+        sampling: Sampling,
+        max_new_tokens: int,
+        max_context_tokens: int,
+        enable_thinking: bool,
+        seed_of: Callable[[int, int], int],
+        model: str,
+        api_key: str,
+    ):
+        self.engine, self.tokenizer, self.records = engine, tokenizer, records
+        self.sampling, self.max_new_tokens, self.max_context_tokens = sampling, max_new_tokens, max_context_tokens
+        self.enable_thinking, self.seed_of, self.model, self.api_key = enable_thinking, seed_of, model, api_key
+        self.waiting: list[tuple[RolloutRecord, Call, int]] = []
+        self.running: set[int] = set()  # rollouts whose agents have not returned
+        self.arrived = threading.Condition()
+        self.stopped = False
+        self.sampler_error: BaseException | None = None
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self.server.daemon_threads = True
+        self.threads = [
+            threading.Thread(target=self.server.serve_forever, name="mtrl-agent-http", daemon=True),
+            threading.Thread(target=self._sample_forever, name="mtrl-agent-sampler", daemon=True),
+        ]
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self) -> Endpoint:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self.arrived:
+            self.stopped = True
+            self.arrived.notify_all()
+        self.server.shutdown()
+        self.server.server_close()
+        for thread in self.threads:
+            thread.join()
+
+    def agent_returned(self, rollout_id: int) -> None:
+        with self.arrived:
+            self.running.discard(rollout_id)
+            self.arrived.notify_all()
+
+    # ------------------------------------------------------------------ the calls
+
+    def call(self, record: RolloutRecord, digest: str, request: dict[str, Any], max_tokens: int | None) -> Call:
+        """The call for this request (record.next_call's), the recorded one for a retry, else a new one,
+        sampled with at most `max_tokens` new tokens."""
+        with record.lock:
+            if record.failure is not None:
+                raise RequestError(f"rollout {record.start['rollout_id']} has failed: {record.failure}", 409)
+            if digest in record.answered:
+                call = record.answered[digest]
+            else:
+                if len(record.calls) >= record.call_limit:
+                    record.cut = True
+                    raise RequestError(f"the rollout reached its limit of {record.call_limit} model calls")
+                rollout_id = record.start["rollout_id"]
+                seed = self.seed_of(rollout_id, len(record.calls))
+                call = next_call(record, self.tokenizer, request, self.enable_thinking, seed)
+                budget = min(
+                    max_tokens or self.max_new_tokens, self.max_new_tokens, self.max_context_tokens - len(call.stream)
+                )
+                if budget < 1:
+                    raise RequestError(
+                        f"the context holds {len(call.stream)} tokens: over the budget of "
+                        f"{self.max_context_tokens} (generation.max_context_tokens)"
+                    )
+                record.calls.append(call)
+                record.answered[digest] = call
+                with self.arrived:
+                    self.waiting.append((record, call, budget))
+                    self.arrived.notify_all()
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
+        return call
+
+    def _gather(self) -> list[tuple[RolloutRecord, Call, int]]:
+        """The calls waiting now, after a short wait for the other agents' calls (they arrive together
+        when their tools are fast: one batch, as the native loop's turn)."""
+        with self.arrived:
+            while not self.waiting and not self.stopped:
+                self.arrived.wait()
+            deadline = time.monotonic() + GATHER_S
+            while not self.stopped and len(self.waiting) < len(self.running) and time.monotonic() < deadline:
+                self.arrived.wait(deadline - time.monotonic())
+            batch, self.waiting = self.waiting, []
+            return batch
+
+    def _sample_forever(self) -> None:
+        while True:
+            batch = self._gather()
+            if not batch:
+                return  # stopped
+            requests = [
+                Request(record.start["rollout_id"], call.stream, call.seed, budget) for record, call, budget in batch
+            ]
+            try:
+                completions = self.engine.generate(requests, self.sampling).completions
+                for (record, call, _), completion in zip(batch, completions):
+                    call.completion, call.logprobs = completion.token_ids, completion.logprobs
+                    call.finish_reason = completion.finish_reason
+                    reply_of(call, self.tokenizer, record.start["rollout_id"])
+            except BaseException as exc:  # the engine failed: these calls fail, the sampler goes on
+                self.sampler_error = exc
+                for _, call, _ in batch:
+                    call.error = RequestError(f"the engine failed: {exc.__class__.__name__}: {exc}", 500)
+            for _, call, _ in batch:
+                call.done.set()
+
+
+def _digest(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002  (the base class's name)
+            pass  # one line per request would drown the run's log
+
+        def _send(self, status: int, payload: dict[str, Any]) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _error(self, error: RequestError) -> None:
+            kind = "invalid_request_error" if error.status < 500 else "server_error"
+            self._send(error.status, {"error": {"message": str(error), "type": kind, "code": error.status}})
+
+        def _record(self) -> tuple[RolloutRecord, str]:
+            match = _PATH.match(self.path.split("?", 1)[0])
+            if match is None:
+                raise RequestError(f"unknown path {self.path}: use the base URL mtrl gave the rollout", 404)
+            record = endpoint.records.get(int(match.group(1)))
+            if record is None:
+                raise RequestError(f"no rollout {match.group(1)} in this iteration", 404)
+            return record, match.group(2)
+
+        def _check_key(self) -> None:
+            if self.headers.get("Authorization", "") != f"Bearer {endpoint.api_key}":
+                raise RequestError("wrong or missing API key (Authorization: Bearer KEY)", 401)
+
+        def do_GET(self) -> None:  # noqa: N802  (http.server's name)
+            try:
+                _, route = self._record()
+                self._check_key()
+                if route.rstrip("/") != "/v1/models":
+                    raise RequestError(f"unknown route GET {route}", 404)
+                model = {"id": endpoint.model, "object": "model", "owned_by": "mtrl"}
+                self._send(200, {"object": "list", "data": [{**model, "max_model_len": endpoint.max_context_tokens}]})
+            except RequestError as error:
+                self._error(error)
+
+        def do_POST(self) -> None:  # noqa: N802
+            record = None
+            try:
+                record, route = self._record()
+                self._check_key()
+                try:
+                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                except ValueError as exc:
+                    raise RequestError(f"the body is not JSON: {exc}") from None
+                if not isinstance(body, dict):
+                    raise RequestError("the body must be a JSON object")
+                if route == "/v1/chat/completions":
+                    self._chat(record, body)
+                elif route == "/v1/responses":
+                    self._responses(record, body)
+                elif route == "/inference/v1/generate":
+                    self._generate(record, body)
+                else:
+                    raise RequestError(f"unknown route POST {route}", 404)
+            except RequestError as error:
+                if record is not None and error.status != 404:
+                    record.fail(f"request refused ({error.status}): {error}")
+                self._error(error)
+
+        def _chat(self, record: RolloutRecord, body: dict[str, Any]) -> None:
+            if (body.get("n") or 1) > 1:
+                raise RequestError("n > 1 is not served: each rollout samples one completion per call")
+            messages, tools = openai_api.chat_request(body)
+            max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+            call = endpoint.call(record, _digest(body), {"messages": messages, "tools": tools}, max_tokens)
+            request_id = f"chatcmpl-{record.start['rollout_id']}-{call.index}"
+            if not body.get("stream"):
+                completion = openai_api.chat_completion(
+                    call, endpoint.model, request_id, endpoint.tokenizer, bool(body.get("logprobs"))
+                )
+                self._send(200, completion)
+                return
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for piece in openai_api.sse(openai_api.chat_chunks(call, endpoint.model, request_id, include_usage)):
+                self.wfile.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+            self.wfile.write(b"0\r\n\r\n")
+
+        def _responses(self, record: RolloutRecord, body: dict[str, Any]) -> None:
+            if body.get("stream"):
+                raise RequestError("streamed Responses are not served yet: call without stream")
+            messages, tools = openai_api.responses_request(body)
+            request = {"messages": messages, "tools": tools}
+            call = endpoint.call(record, _digest(body), request, body.get("max_output_tokens"))
+            self._send(
+                200, openai_api.response(call, endpoint.model, f"resp_{record.start['rollout_id']}_{call.index}", body)
+            )
+
+        def _generate(self, record: RolloutRecord, body: dict[str, Any]) -> None:
+            """Token ids in, token ids out (verifiers' train client, as prime-rl serves it)."""
+            token_ids = body.get("token_ids")
+            if not isinstance(token_ids, list) or not token_ids or not all(isinstance(t, int) for t in token_ids):
+                raise RequestError("'token_ids' must be a non-empty list of integers")
+            vocabulary = len(endpoint.tokenizer)
+            if any(not 0 <= token < vocabulary for token in token_ids):
+                raise RequestError(f"'token_ids' holds ids outside the vocabulary (0..{vocabulary - 1})")
+            sampling = body.get("sampling_params") or {}
+            if (sampling.get("n") or 1) > 1:
+                raise RequestError("n > 1 is not served: each rollout samples one completion per call")
+            call = endpoint.call(record, _digest(body), {"token_ids": token_ids}, sampling.get("max_tokens"))
+            self._send(200, openai_api.generated(call, f"gen-{record.start['rollout_id']}-{call.index}"))
+
+    return Handler
