@@ -31,3 +31,16 @@ def test_four_iterations_of_the_default_demo_raise_success_by_twenty_points(tmp_
     assert restored[0] == 0 and all(n > 0 for n in restored[1:]), restored
     assert all(m.extra("memory")["peak_rss_mb"] >= m.extra("memory")["rss_before_mb"] > 0 for m in updates)
     assert json.loads((tmp_path / "runs" / "report" / "summary.json").read_text())[-1]["iteration"] == 3
+
+
+def test_the_demo_through_the_openai_client_agent_learns_as_the_native_loop_does(tmp_path):
+    """The demo's 10 iterations with the calculator played by an agent program against mtrl's endpoint
+    (examples/agents/openai_loop.py): success rises from the starting policy's ~0.36 to >= 0.85."""
+    from pipeline.flows import rl_training
+    from schemas.config import RunConfig
+
+    agent = {"function": "examples.agents.openai_loop:agent"}
+    results = rl_training(RunConfig(agent=agent, store={"runs_dir": tmp_path / "runs"}))
+    success = [r["metrics"]["success_rate"] for r in results]
+    assert len(success) == 10 and success[0] < 0.6 and (success[-2] + success[-1]) / 2 >= 0.85, success
+    assert all(r["metrics"]["failed_rate"] == 0.0 for r in results)

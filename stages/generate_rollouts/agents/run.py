@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import threading
 from collections import OrderedDict
 from typing import Any
 
+from runtime.processes import popen_for_this_process
 from schemas.features import AGENT_STATE, FinishReason, StopReason
 from stages.generate_rollouts.agents import AgentSettings
 from stages.generate_rollouts.agents.endpoint import Endpoint
@@ -73,8 +75,10 @@ def run_agents(
             ],
         }
         environment = {**os.environ, "OPENAI_AGENTS_DISABLE_TRACING": "1", "PYTHONUNBUFFERED": "1"}
-        child = subprocess.Popen(
+        # SIGKILLed when mtrl dies, however it dies (runtime/processes.py)
+        child = popen_for_this_process(
             [sys.executable, "-m", "stages.generate_rollouts.agents.child"],
+            signal.SIGKILL,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -99,11 +103,11 @@ def run_agents(
             child.wait()
         finally:
             if child.poll() is None:
-                os.killpg(child.pid, 9)
+                os.killpg(child.pid, signal.SIGKILL)
                 child.wait()
             else:
                 try:
-                    os.killpg(child.pid, 9)  # what its agents left running
+                    os.killpg(child.pid, signal.SIGKILL)  # what its agents left running
                 except ProcessLookupError:
                     pass
         drain.join(timeout=5)
