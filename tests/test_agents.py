@@ -138,6 +138,25 @@ def test_the_openai_client_streams_chat_completions_reads_responses_and_models(p
     assert answer.usage.output_tokens == len(response_call.completion)
 
 
+def test_streamed_responses_end_with_the_response_and_a_session_header_names_the_rollout(policy):
+    with served(policy) as (endpoint, records, starts):
+        client = openai.OpenAI(base_url=f"{endpoint.base_url}/rollouts/0/v1", api_key=KEY, max_retries=0)
+        system, question = (m["content"] for m in starts[0]["messages"])
+        tools = [{"type": "function", **schema["function"]} for schema in starts[0]["tools"]]
+        body = {"model": "policy", "instructions": system, "input": question, "tools": tools}
+        events = list(client.responses.create(**body, stream=True))
+        answered = client.responses.create(**body)  # the same request: answered from the record
+        at_root = openai.OpenAI(base_url=f"{endpoint.base_url}/v1", api_key=KEY, max_retries=0)
+        by_session = at_root.chat.completions.create(
+            model="policy", messages=starts[1]["messages"], extra_headers={"X-Session-ID": "1"}
+        )
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert events[-1].response.output == answered.output and len(records[0].calls) == 1
+    added = [event.item.type for event in events if event.type == "response.output_item.added"]
+    assert added == [item.type for item in answered.output]
+    assert by_session.id == "chatcmpl-1-0" and len(records[1].calls) == 1  # rollout 1's first call
+
+
 def test_token_ids_in_and_out_continue_one_stream(policy):
     """verifiers' train client: token ids in, token ids and one logprob per token out."""
     engine, tokenizer, settings = policy
@@ -166,8 +185,8 @@ def agents(policy, function, **agent):
     ("function", "timeout_s", "says"),
     [
         ("tests.agent_programs:raises", 60, "the agent raised RuntimeError: the agent's own bug"),
-        ("tests.agent_programs:hangs", 8, "did not return within 8 s"),
-        ("tests.agent_programs:hangs_in_sync_code", 8, "did not return within 8 s"),
+        ("tests.agent_programs:hangs", 4, "did not return within 4 s"),
+        ("tests.agent_programs:hangs_in_sync_code", 4, "did not return within 4 s"),
     ],
 )
 def test_an_agent_that_raises_or_hangs_fails_its_rollout_and_the_others_go_on(policy, function, timeout_s, says):
@@ -220,9 +239,12 @@ def test_a_history_that_does_not_extend_the_stream_starts_a_segment_that_trains_
         assert sequence.generation_logprobs == call.logprobs
 
 
-def test_a_growing_history_is_one_stream_of_deltas(policy):
+@pytest.mark.parametrize(
+    "function", ["examples.agents.openai_loop:agent", "examples.agents.agents_sdk:responses_streamed"]
+)
+def test_a_growing_history_is_one_stream_of_deltas(policy, function):
     engine, tokenizer, settings = policy
-    records = agents(policy, "examples.agents.openai_loop:agent")
+    records = agents(policy, function)
     multi = [record for record in records.values() if len(record.calls) > 1]
     assert multi, "no rollout made a second call"
     for record in multi:

@@ -2,6 +2,7 @@
 completions (`chat_completions`):
 
     mtrl run --agent examples.agents.agents_sdk:responses
+    mtrl run --agent examples.agents.agents_sdk:responses_streamed
     mtrl run --agent examples.agents.agents_sdk:chat_completions
 
 The task's tools become the SDK's function tools with the task's own JSON schemas, so the policy sees
@@ -47,19 +48,28 @@ def function_tool(schema: dict[str, Any]) -> FunctionTool:
     )
 
 
-async def _run(rollout, model) -> None:
+async def _run(rollout, model, streamed: bool = False) -> None:
     set_tracing_disabled(True)
     instructions = next(m["content"] for m in rollout.messages if m["role"] == "system")
     question = next(m["content"] for m in rollout.messages if m["role"] == "user")
     tools = [function_tool(schema) for schema in rollout.tools]
     calculator = Agent(name="calculator", instructions=instructions, tools=tools, model=model)
-    await Runner.run(calculator, question, max_turns=MAX_TURNS)
+    if streamed:  # the events as they come (a UI would show them); the run is the same
+        async for _ in Runner.run_streamed(calculator, question, max_turns=MAX_TURNS).stream_events():
+            pass
+    else:
+        await Runner.run(calculator, question, max_turns=MAX_TURNS)
     return None  # the task's reward of the final answer
 
 
 async def responses(rollout) -> None:
     """The SDK's default: the Responses API, the whole history sent every turn."""
     return await _run(rollout, OpenAIResponsesModel(model=rollout.model, openai_client=rollout.client))
+
+
+async def responses_streamed(rollout) -> None:
+    """The Responses API streamed (Runner.run_streamed)."""
+    return await _run(rollout, OpenAIResponsesModel(model=rollout.model, openai_client=rollout.client), streamed=True)
 
 
 async def chat_completions(rollout) -> None:

@@ -2,10 +2,11 @@
 
     GET  /rollouts/{id}/v1/models                 the policy, with max_model_len
     POST /rollouts/{id}/v1/chat/completions       streamed or not; tool calls parsed from the model's text
-    POST /rollouts/{id}/v1/responses              the Responses API (not streamed)
+    POST /rollouts/{id}/v1/responses              the Responses API, streamed or not
     POST /rollouts/{id}/inference/v1/generate     token ids in and out (verifiers' train client)
 
-A rollout is known by its path and the run's secret key (Authorization: Bearer KEY). Requests that
+A rollout is known by its path (or, at the server's root, by an X-Session-ID header holding its
+id) and the run's secret key (Authorization: Bearer KEY). Requests that
 wait at one moment go to the engine as one batch (the sampler thread); each call is sampled with
 its own seed (rollout, call), so a deterministic agent gets the same tokens whatever else is in the
 batch. A retried identical request is answered from the record, never sampled twice. A request
@@ -19,7 +20,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -157,7 +158,9 @@ class Endpoint:
 
 
 def _digest(body: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    """What makes two requests the same call: the body, streamed or not."""
+    asked = {key: value for key, value in body.items() if key not in ("stream", "stream_options")}
+    return hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()
 
 
 def _handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
@@ -180,13 +183,15 @@ def _handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
             self._send(error.status, {"error": {"message": str(error), "type": kind, "code": error.status}})
 
         def _record(self) -> tuple[RolloutRecord, str]:
-            match = _PATH.match(self.path.split("?", 1)[0])
-            if match is None:
-                raise RequestError(f"unknown path {self.path}: use the base URL mtrl gave the rollout", 404)
-            record = endpoint.records.get(int(match.group(1)))
+            path = self.path.split("?", 1)[0]
+            match = _PATH.match(path)
+            rollout, route = (match.group(1), match.group(2)) if match else (self.headers.get("X-Session-ID"), path)
+            if rollout is None:
+                raise RequestError(f"unknown path {path}: use the base URL mtrl gave the rollout", 404)
+            record = endpoint.records.get(int(rollout)) if rollout.isdigit() else None
             if record is None:
-                raise RequestError(f"no rollout {match.group(1)} in this iteration", 404)
-            return record, match.group(2)
+                raise RequestError(f"no rollout {rollout} in this iteration", 404)
+            return record, route
 
         def _check_key(self) -> None:
             if self.headers.get("Authorization", "") != f"Bearer {endpoint.api_key}":
@@ -241,24 +246,28 @@ def _handler(endpoint: Endpoint) -> type[BaseHTTPRequestHandler]:
                 self._send(200, completion)
                 return
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            self._stream(openai_api.sse(openai_api.chat_chunks(call, endpoint.model, request_id, include_usage)))
+
+        def _responses(self, record: RolloutRecord, body: dict[str, Any]) -> None:
+            messages, tools = openai_api.responses_request(body)
+            request = {"messages": messages, "tools": tools}
+            call = endpoint.call(record, _digest(body), request, body.get("max_output_tokens"))
+            answer = openai_api.response(call, endpoint.model, f"resp_{record.start['rollout_id']}_{call.index}", body)
+            if body.get("stream"):
+                self._stream(openai_api.response_events(answer))
+            else:
+                self._send(200, answer)
+
+        def _stream(self, pieces: Iterator[bytes]) -> None:
+            """Server-sent events, chunked."""
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            for piece in openai_api.sse(openai_api.chat_chunks(call, endpoint.model, request_id, include_usage)):
+            for piece in pieces:
                 self.wfile.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
             self.wfile.write(b"0\r\n\r\n")
-
-        def _responses(self, record: RolloutRecord, body: dict[str, Any]) -> None:
-            if body.get("stream"):
-                raise RequestError("streamed Responses are not served yet: call without stream")
-            messages, tools = openai_api.responses_request(body)
-            request = {"messages": messages, "tools": tools}
-            call = endpoint.call(record, _digest(body), request, body.get("max_output_tokens"))
-            self._send(
-                200, openai_api.response(call, endpoint.model, f"resp_{record.start['rollout_id']}_{call.index}", body)
-            )
 
         def _generate(self, record: RolloutRecord, body: dict[str, Any]) -> None:
             """Token ids in, token ids out (verifiers' train client, as prime-rl serves it)."""

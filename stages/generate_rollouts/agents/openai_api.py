@@ -207,6 +207,36 @@ def generated(call: Call, request_id: str) -> dict[str, Any]:
 
 
 def sse(events: Iterator[dict[str, Any]]) -> Iterator[bytes]:
+    """Chat-completion chunks as server-sent events, ended by [DONE]."""
     for event in events:
         yield f"data: {json.dumps(event)}\n\n".encode()
     yield b"data: [DONE]\n\n"
+
+
+def response_events(answer: dict[str, Any]) -> Iterator[bytes]:
+    """A Response as the Responses API streams it (each event named and numbered): created, each output
+    item added, its text or arguments, done, then completed with the whole response."""
+    number = iter(range(10**6))
+
+    def event(kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": next(number), **fields}
+        return f"event: {kind}\ndata: {json.dumps(payload)}\n\n".encode()
+
+    yield event("response.created", response={**answer, "status": "in_progress", "output": []})
+    for index, item in enumerate(answer["output"]):
+        yield event("response.output_item.added", output_index=index, item={**item, "status": "in_progress"})
+        where = {"item_id": item["id"], "output_index": index}
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            part = {"type": "output_text", "text": "", "annotations": []}
+            yield event("response.content_part.added", **where, content_index=0, part=part)
+            yield event("response.output_text.delta", **where, content_index=0, delta=text, logprobs=[])
+            yield event("response.output_text.done", **where, content_index=0, text=text, logprobs=[])
+            yield event("response.content_part.done", **where, content_index=0, part={**part, "text": text})
+        else:
+            yield event("response.function_call_arguments.delta", **where, delta=item["arguments"])
+            yield event(
+                "response.function_call_arguments.done", **where, arguments=item["arguments"], name=item["name"]
+            )
+        yield event("response.output_item.done", output_index=index, item=item)
+    yield event("response.completed", response=answer)
