@@ -13,6 +13,7 @@ import pytest
 
 from pipeline.flows import rl_training
 from schemas.config import RunConfig
+from stages.policy.batching import rollout_sequences
 
 RECORDED = {"env_state", "next_env_state"}  # an agent's turns record what it did there; a native turn, its state
 
@@ -81,3 +82,21 @@ def test_an_iteration_through_each_harness_trains_on_one_stream_per_rollout(func
             )
             assert row["stream_offset"] == earlier["stream_offset"] + expected > 0
             assert earlier["tool_calls"] and all(call["result"] is not None for call in earlier["tool_calls"])
+
+
+@pytest.mark.slow
+def test_an_edited_history_trains_each_segment_on_the_tokens_the_model_saw(tmp_path):
+    """An agent that sends a summary instead of its history: each call is a segment of its own; the
+    audit (streams per segment, the re-score) passes and ppo-update trains each segment alone."""
+    result = train(tmp_path, function="tests.agent_programs:edits_history")
+    advantaged = datasets.load_from_disk(
+        str(tmp_path / "compute-advantages" / result["versions"]["compute-advantages"])
+    )
+    sequences = rollout_sequences(advantaged)
+    assert len(sequences) == 2 * 8  # two calls per rollout, each its own segment
+    for sequence in sequences:
+        (row,) = sequence.rows
+        completion = advantaged[row]["completion_token_ids"]
+        assert [sequence.token_ids[p] for p in sequence.target_positions] == completion
+        assert sequence.token_ids[: sequence.target_positions[0]] == advantaged[row]["context_token_ids"]
+        assert advantaged[row]["stream_offset"] == 0

@@ -57,7 +57,6 @@ class Endpoint:
         self.running: set[int] = set()  # rollouts whose agents have not returned
         self.arrived = threading.Condition()
         self.stopped = False
-        self.sampler_error: BaseException | None = None
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
         self.threads = [
@@ -149,8 +148,7 @@ class Endpoint:
                     call.completion, call.logprobs = completion.token_ids, completion.logprobs
                     call.finish_reason = completion.finish_reason
                     reply_of(call, self.tokenizer, record.start["rollout_id"])
-            except BaseException as exc:  # the engine failed: these calls fail, the sampler goes on
-                self.sampler_error = exc
+            except Exception as exc:  # the engine failed: these calls fail (a 500), the sampler goes on
                 for _, call, _ in batch:
                     call.error = RequestError(f"the engine failed: {exc.__class__.__name__}: {exc}", 500)
             for _, call, _ in batch:

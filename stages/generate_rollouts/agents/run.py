@@ -139,8 +139,8 @@ def agent_rows(records: dict[int, RolloutRecord], turn: int, tokenizer: Any) -> 
         identity = {name: record.start[name] for name in ("rollout_id", "group_id", "task", "task_id", "task_payload")}
         if not calls and turn == 0:
             failure = record.failure or "the agent made no model call"
-            state = {"observation_token_ids": [], "added_messages": [], "end": {**_ending(record), "failure": failure}}
-            state["end"]["stop_reason"] = StopReason.FAILED
+            end = {"stop_reason": StopReason.FAILED, "failure": failure, "reward": None}
+            state = {"observation_token_ids": [], "added_messages": [], "end": end}
             rows.append(
                 {
                     **identity,
