@@ -35,7 +35,7 @@ def agent_processes(parent: int | None = None) -> set[int]:
             parent_id = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if b"stages.generate_rollouts.agents.child" in command and parent in (None, parent_id):
+        if b"generate_rollouts/agents/child.py" in command and parent in (None, parent_id):
             found.add(int(entry.name))
     return found
 

@@ -241,3 +241,31 @@ class RecordingHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
+
+
+def test_kept_rows_continue_rollouts_that_were_not_in_the_previous_batch(tiny):
+    """With keep_rows (agents: each batch holds whichever rollouts called), a rollout absent from the
+    previous batch prefills only its new tokens from its kept row, and samples what a cold engine
+    re-encoding its whole context samples."""
+    model, tokenizer = tiny
+    eos = eos_token_ids(tokenizer, model)
+    engine = HFEngine(model, tokenizer.pad_token_id, eos, tokenizer.decode)
+    engine.keep_rows_between_calls(True)
+    prompts = [
+        tokenizer.encode(f"<|im_start|>user\nEvaluate {a}*{a + 2}.<|im_end|>\n<|im_start|>assistant\n")
+        for a in range(4)
+    ]
+    first = engine.sample([Request(i, p, sampling_seed(0, 0, i, 0), 16) for i, p in enumerate(prompts)], Sampling(1.0))
+    follow = tokenizer.encode("\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n")
+    engine.sample([Request(0, prompts[0] + first[0].token_ids + follow, 7, 8)], Sampling(1.0))  # rollout 0 alone
+    later = [Request(i, prompts[i] + first[i].token_ids + follow, sampling_seed(0, 0, i, 1), 16) for i in (1, 3)]
+    engine_forward = engine._forward
+    widths = []
+    engine._forward = lambda ids, mask: widths.append(ids.shape[1]) or engine_forward(ids, mask)
+    kept = engine.sample(later, Sampling(1.0))
+    cold = ColdEngine(model, tokenizer.pad_token_id, eos).sample(later, Sampling(1.0))
+    assert [c.token_ids for c in kept] == [c.token_ids for c in cold]
+    assert max(abs(a - b) for k, c in zip(kept, cold) for a, b in zip(k.logprobs, c.logprobs)) < 1e-4
+    assert widths[0] <= len(follow) + 1  # the prefill: each row's new tokens only, not its whole context
+    engine.keep_rows_between_calls(False)
+    assert not engine._kept

@@ -65,6 +65,11 @@ class HFEngine:
         self.eos_token_ids = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=self.device)
         self.decode = decode  # token ids -> text: needed only for stop strings
         self.max_model_len = getattr(model.config, "max_position_embeddings", None) or 10**9
+        # Keep every rollout's row between calls (agents: each batch holds whichever rollouts called
+        # at that moment), so a rollout that was not in the previous batch still prefills only its new
+        # tokens. Off for the native loop, whose turn t + 1 holds turn t's rollouts.
+        self.keep_rows = False
+        self._kept: dict[int, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = {}
         self.reset()
 
     @classmethod
@@ -103,6 +108,7 @@ class HFEngine:
         return Generation(self.sample(requests, sampling, report_progress=report_progress), replayed)
 
     def reset(self) -> None:
+        """Forget the batch's cache (not the kept rows)."""
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None  # [rows, cached length], 1 on real tokens
         self._keys: list[int] = []
@@ -124,6 +130,40 @@ class HFEngine:
                 return None
             rows.append(row)
         return rows
+
+    def keep_rows_between_calls(self, keep: bool) -> None:
+        """Keep (or stop keeping, and forget) every request's row after each call (keep_rows)."""
+        self.keep_rows = keep
+        self._kept.clear()
+
+    def _kept_prefix(self, request: Request) -> bool:
+        kept = self._kept.get(request.key)
+        return (
+            kept is not None and len(kept[0]) < len(request.token_ids) and request.token_ids[: len(kept[0])] == kept[0]
+        )
+
+    def _from_kept_rows(self, requests: Sequence[Request]) -> list[list[int]]:
+        """A cache of one row per request from the kept rows (right-aligned; an empty row for a request
+        whose kept row it does not extend); returns each request's tokens still to prefill."""
+        kept = [self._kept[r.key] if self._kept_prefix(r) else ([], None) for r in requests]
+        width = max(len(tokens) for tokens, _ in kept)
+        self.reset()
+        self._cache = DynamicCache(config=self.model.config)
+        self._mask = torch.zeros((len(requests), width), dtype=torch.long, device=self.device)
+        template = next(layers for _, layers in kept if layers is not None)
+        for index, layer in enumerate(self._cache.layers):
+            keys, values = template[index]
+            shape = (len(requests), keys.shape[0], width, keys.shape[-1])
+            layer.keys, layer.values = keys.new_zeros(shape), values.new_zeros(shape)
+            layer.device, layer.is_initialized = self.device, True
+            for row, (tokens, layers) in enumerate(kept):
+                if layers is not None:
+                    layer.keys[row, :, width - len(tokens) :], layer.values[row, :, width - len(tokens) :] = layers[
+                        index
+                    ]
+        for row, (tokens, _) in enumerate(kept):
+            self._mask[row, width - len(tokens) :] = 1
+        return [r.token_ids[len(tokens) :] for r, (tokens, _) in zip(requests, kept)]
 
     def _compact(self) -> None:
         """Drop the masked columns (pads between segments) from the cache, keeping each row's
@@ -239,7 +279,9 @@ class HFEngine:
         if self.decode is None and any(request.stop for request in requests):
             raise ValueError("stop strings need the engine's decode function (HFEngine(..., decode=tokenizer.decode))")
         rows = self._reusable_rows(requests)
-        if rows is None:
+        if rows is None and self.keep_rows and any(self._kept_prefix(r) for r in requests):
+            new_tokens = self._from_kept_rows(requests)
+        elif rows is None:
             self.reset()
             self._cache = DynamicCache(config=self.model.config)
             new_tokens = [r.token_ids for r in requests]
@@ -247,7 +289,7 @@ class HFEngine:
             self._cache.batch_select_indices(torch.tensor(rows, device=self.device))
             self._mask = self._mask[rows]
             new_tokens = [r.token_ids[len(self._cached_tokens[row]) :] for r, row in zip(requests, rows)]
-        logits = self._prefill(new_tokens, shared=rows is None)
+        logits = self._prefill(new_tokens, shared=rows is None and self._mask is None)
 
         generators = [torch.Generator(device=self.device).manual_seed(r.seed) for r in requests]
         limits = [r.max_new_tokens for r in requests]
@@ -305,6 +347,14 @@ class HFEngine:
         # The last sampled token of each row is not in the cache yet; it is fed next turn.
         self._keys = [r.key for r in requests]
         self._cached_tokens = [r.token_ids + s[:-1] for r, s in zip(requests, sampled)]
+        if self.keep_rows:
+            for row, (key, tokens) in enumerate(zip(self._keys, self._cached_tokens)):
+                span = slice(self._mask.shape[1] - len(tokens), None)  # compacted: its tokens are the last
+                rows = [
+                    (layer.keys[row, :, span].clone(), layer.values[row, :, span].clone())
+                    for layer in self._cache.layers
+                ]
+                self._kept[key] = (tokens, rows)
         return [Completion(s, lp, f or FinishReason.LENGTH) for s, lp, f in zip(sampled, logprobs, finish)]
 
     def replay(self, history: datasets.Dataset, sampling: Sampling) -> float:

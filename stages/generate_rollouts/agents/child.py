@@ -1,6 +1,6 @@
 """The process that runs the user's agent program, one call per rollout, concurrently.
 
-    python -m stages.generate_rollouts.agents.child
+    python stages/generate_rollouts/agents/child.py      (by path: its package imports torch)
 
 reads one JSON object on stdin (the function, the endpoint, the rollouts, the limits) and writes one
 JSON line per rollout as its agent returns: {"rollout_id", "reward"} or {"rollout_id", "error"}. An
@@ -104,6 +104,7 @@ async def main(spec: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
+    sys.path[0] = os.getcwd()  # not this file's folder: its modules would shadow the agent's (run.py, record.py)
     # not asyncio.run: its clean-up waits for the threads of sync agents, and a hung one never ends
     asyncio.new_event_loop().run_until_complete(main(json.loads(sys.stdin.readline())))
     sys.stdout.flush()

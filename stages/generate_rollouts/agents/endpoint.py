@@ -28,7 +28,11 @@ from stages.generate_rollouts.agents import openai_api
 from stages.generate_rollouts.agents.record import Call, RequestError, RolloutRecord, next_call, reply_of
 from stages.generate_rollouts.engine import GenerationEngine, Request, Sampling
 
-GATHER_S = 0.03  # after a request arrives, how long the sampler waits for the other agents' calls
+# After a request arrives, the sampler waits for the other agents' calls while they keep coming: until
+# every running agent has called, or none came for GATHER_S (a wave of 64 agents' calls takes longer
+# than that to arrive from one process, each a few ms apart), or GATHER_MAX_S passed.
+GATHER_S = 0.03
+GATHER_MAX_S = 0.5
 _PATH = re.compile(r"^/rollouts/(\d+)(/.*)$")
 
 
@@ -69,6 +73,7 @@ class Endpoint:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def __enter__(self) -> Endpoint:
+        self._keep_rows(True)
         for thread in self.threads:
             thread.start()
         return self
@@ -81,6 +86,14 @@ class Endpoint:
         self.server.server_close()
         for thread in self.threads:
             thread.join()
+        self._keep_rows(False)
+
+    def _keep_rows(self, keep: bool) -> None:
+        """An engine that can keep each rollout's cache between calls does, while agents run: each batch
+        holds whichever rollouts called at that moment, not the previous batch's (the hf engine)."""
+        keeping = getattr(self.engine, "keep_rows_between_calls", None)
+        if keeping is not None:
+            keeping(keep)
 
     def agent_returned(self, rollout_id: int) -> None:
         with self.arrived:
@@ -128,9 +141,14 @@ class Endpoint:
         with self.arrived:
             while not self.waiting and not self.stopped:
                 self.arrived.wait()
-            deadline = time.monotonic() + GATHER_S
-            while not self.stopped and len(self.waiting) < len(self.running) and time.monotonic() < deadline:
-                self.arrived.wait(deadline - time.monotonic())
+            first = time.monotonic()
+            while not self.stopped and len(self.waiting) < len(self.running):
+                seen = len(self.waiting)
+                quiet_until = min(time.monotonic() + GATHER_S, first + GATHER_MAX_S)
+                while len(self.waiting) == seen and not self.stopped and time.monotonic() < quiet_until:
+                    self.arrived.wait(quiet_until - time.monotonic())
+                if len(self.waiting) == seen:  # none came for GATHER_S, or GATHER_MAX_S passed
+                    break
             batch, self.waiting = self.waiting, []
             return batch
 

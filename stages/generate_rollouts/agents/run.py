@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 from runtime.processes import popen_for_this_process
@@ -20,6 +21,9 @@ from stages.generate_rollouts.agents.endpoint import Endpoint
 from stages.generate_rollouts.agents.record import RolloutRecord
 from stages.generate_rollouts.engine import GenerationEngine, Sampling
 
+# Run by path, not as a module of this package: importing stages.generate_rollouts would import torch
+# and transformers into the agents' process (4 s at every iteration's start, measured).
+CHILD = str(Path(__file__).with_name("child.py"))
 MODEL_NAME = "policy"  # the model name the endpoint answers to (any name is accepted)
 # The records of the iterations run in this process, by (policy version, iteration, settings): every
 # turn's generate-rollouts reads its calls from them. A process that lost them (a resumed run) runs
@@ -77,7 +81,7 @@ def run_agents(
         environment = {**os.environ, "OPENAI_AGENTS_DISABLE_TRACING": "1", "PYTHONUNBUFFERED": "1"}
         # SIGKILLed when mtrl dies, however it dies (runtime/processes.py)
         child = popen_for_this_process(
-            [sys.executable, "-m", "stages.generate_rollouts.agents.child"],
+            [sys.executable, CHILD],
             signal.SIGKILL,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
