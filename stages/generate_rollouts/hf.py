@@ -349,11 +349,8 @@ class HFEngine:
         self._cached_tokens = [r.token_ids + s[:-1] for r, s in zip(requests, sampled)]
         if self.keep_rows:
             for row, (key, tokens) in enumerate(zip(self._keys, self._cached_tokens)):
-                span = slice(self._mask.shape[1] - len(tokens), None)  # compacted: its tokens are the last
-                rows = [
-                    (layer.keys[row, :, span].clone(), layer.values[row, :, span].clone())
-                    for layer in self._cache.layers
-                ]
+                real = self._mask[row].bool()  # its tokens' columns (a row may hold pads between segments)
+                rows = [(layer.keys[row][:, real], layer.values[row][:, real]) for layer in self._cache.layers]
                 self._kept[key] = (tokens, rows)
         return [Completion(s, lp, f or FinishReason.LENGTH) for s, lp, f in zip(sampled, logprobs, finish)]
 
