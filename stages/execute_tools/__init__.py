@@ -167,7 +167,7 @@ def agent_turn(row: dict[str, Any], recorded: dict[str, Any], tokenizer: Any) ->
         **out,
         "stop_reason": stop,
         "terminated": stop == StopReason.DONE,
-        "truncated": stop == StopReason.MAX_TURNS,
+        "truncated": stop in (StopReason.MAX_TURNS, StopReason.LENGTH),
         "failed": failed,
         "failure": end["failure"] if failed else None,
     }

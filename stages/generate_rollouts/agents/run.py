@@ -167,10 +167,14 @@ def agent_rows(records: dict[int, RolloutRecord], turn: int, tokenizer: Any) -> 
             continue
         call = calls[turn]
         last = turn == len(calls) - 1
+        end = _ending(record) if last else None
+        if end is not None and end["stop_reason"] == StopReason.DONE and end["reward"] is None:
+            if call.finish_reason == FinishReason.LENGTH:  # its final answer was cut: overlong, as natively
+                end["stop_reason"] = StopReason.LENGTH
         state = {
             "observation_token_ids": [] if last else call.observation,
             "added_messages": call.added_messages,
-            "end": _ending(record) if last else None,
+            "end": end,
         }
         rows.append(
             {
