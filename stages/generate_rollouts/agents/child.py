@@ -35,15 +35,17 @@ class AgentRollout:
     base_url: str  # ends with /v1
     api_key: str
     model: str
+    _http: Any = field(default=None, repr=False)  # one httpx.AsyncClient shared by every rollout's client
     _client: Any = field(default=None, repr=False)
 
     @property
     def client(self) -> Any:
-        """A ready openai.AsyncOpenAI for this rollout's endpoint."""
+        """A ready openai.AsyncOpenAI for this rollout's endpoint (its own client each built 21 ms of
+        connection pool: 1.4 s for 64 rollouts; sharing one httpx client, 0.08 s: bench/agents.py)."""
         if self._client is None:
             import openai
 
-            self._client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key)
+            self._client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, http_client=self._http)
         return self._client
 
 
@@ -88,6 +90,9 @@ async def main(spec: dict[str, Any]) -> None:
             outcome = await run_one(function, rollout, spec["timeout_s"])
         print(json.dumps(outcome), flush=True)
 
+    import httpx  # openai's transport
+
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=None), timeout=None)
     rollouts = [
         AgentRollout(
             rollout_id=start["rollout_id"],
@@ -97,6 +102,7 @@ async def main(spec: dict[str, Any]) -> None:
             base_url=f"{spec['base_url']}/rollouts/{start['rollout_id']}/v1",
             api_key=spec["api_key"],
             model=spec["model"],
+            _http=http,
         )
         for start in spec["rollouts"]
     ]
