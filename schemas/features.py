@@ -146,6 +146,12 @@ def agent_state(env_state: str | None) -> dict | None:
     return json.loads(env_state or "{}").get(AGENT_STATE)
 
 
+def agent_tool_call_id(rollout_id: int, turn: int, number: int) -> str:
+    """The id the agent endpoint gives the `number`th tool call of a rollout's call `turn`: execute-tools
+    finds the agent's result for it by this id."""
+    return f"call_{rollout_id}_{turn}_{number}"
+
+
 def is_agent_rollout(row: dict) -> bool:
     """Was this turn a call of an agent program, not a turn of the native loop?"""
     return agent_state(row["env_state"]) is not None

@@ -22,7 +22,14 @@ import datasets
 
 from runtime.phases import PHASES
 from runtime.ray import map_row_shards
-from schemas.features import EXECUTE_TOOLS, FinishReason, StopReason, agent_state, dataset_from_rows
+from schemas.features import (
+    EXECUTE_TOOLS,
+    FinishReason,
+    StopReason,
+    agent_state,
+    agent_tool_call_id,
+    dataset_from_rows,
+)
 from schemas.stage import POLICY, Inputs, Output, Settings, Stage, read
 from schemas.token_stream import generation_prompt_ids, observation_token_ids
 from stages.execute_tools.calls import (
@@ -147,12 +154,8 @@ def agent_turn(row: dict[str, Any], recorded: dict[str, Any], tokenizer: Any) ->
     results = {m.get("tool_call_id"): m.get("content", "") for m in recorded["added_messages"] if m["role"] == "tool"}
     calls = parse_tool_calls(row["content"])
     rollout_id, turn = row["rollout_id"], row["turn"]
-    answered = [
-        ToolResult(results[f"call_{rollout_id}_{turn}_{n}"], None, call.id)
-        if f"call_{rollout_id}_{turn}_{n}" in results
-        else None
-        for n, call in enumerate(calls)
-    ]
+    ids = [agent_tool_call_id(rollout_id, turn, number) for number in range(len(calls))]
+    answered = [ToolResult(results[id_], None, call.id) if id_ in results else None for id_, call in zip(ids, calls)]
     out = {
         "tool_calls": tool_call_rows(calls, answered),
         "observation_token_ids": recorded["observation_token_ids"],

@@ -18,7 +18,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas.token_stream import generation_prompt_ids
+from schemas.features import agent_tool_call_id
+from schemas.token_stream import generation_prompt_ids, prompt_token_ids
 from stages.hermes import parse_tool_calls, split_thinking
 
 
@@ -102,12 +103,6 @@ class RolloutRecord:
                 self.failure = message[:1000]
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict] | None, enable_thinking: bool) -> str:
-    return tokenizer.apply_chat_template(
-        messages, tools=tools or None, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
-    )
-
-
 def _sampled_match(message: dict[str, Any], earlier: list[Call]) -> Call | None:
     """The earlier call whose reply this assistant message is: the same tool-call ids, or, with no
     tool calls, the same text."""
@@ -146,7 +141,9 @@ def render_context(
         marked.append({"role": "assistant", "content": text + _marker(len(substituted))})
         substituted.append((call, text))
     try:
-        text = _render(tokenizer, marked, tools, enable_thinking)
+        text = tokenizer.apply_chat_template(
+            marked, tools=tools or None, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+        )
     except Exception as exc:  # a template that cannot render these messages
         raise RequestError(f"the policy's chat template cannot render these messages: {exc}") from None
     header = tokenizer.decode(generation_prompt_ids(tokenizer, True))  # an assistant turn's opening
@@ -156,7 +153,7 @@ def render_context(
         end = text.find(_marker(index), position)
         opening = text.rfind(header, position, end)
         if end < 0 or opening < 0 or not text[opening + len(header) : end].endswith(sampled_text):
-            return _encode(tokenizer, _render(tokenizer, messages, tools, enable_thinking))  # rewritten: plain
+            return prompt_token_ids(tokenizer, messages, tools, enable_thinking)  # rewritten: plain
         tokens += _encode(tokenizer, text[position : end - len(sampled_text)]) + call.completion
         position = end + len(_marker(index))
         if call.completion[-1:] == [tokenizer.eos_token_id] and text.startswith(tokenizer.eos_token, position):
@@ -214,7 +211,7 @@ def reply_of(call: Call, tokenizer: Any, rollout_id: int) -> None:
     if parsed and all(found.error is None for found in parsed):
         call.tool_calls = [
             {
-                "id": f"call_{rollout_id}_{call.index}_{number}",
+                "id": agent_tool_call_id(rollout_id, call.index, number),
                 "type": "function",
                 "function": {"name": found.name, "arguments": json.dumps(found.arguments)},
             }

@@ -106,14 +106,11 @@ def run_agents(
                 endpoint.agent_returned(record.start["rollout_id"])
             child.wait()
         finally:
-            if child.poll() is None:
+            try:  # the agents' process if it still runs, and whatever its agents left running
                 os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
-            else:
-                try:
-                    os.killpg(child.pid, signal.SIGKILL)  # what its agents left running
-                except ProcessLookupError:
-                    pass
+            except ProcessLookupError:
+                pass
+            child.wait()
         drain.join(timeout=5)
         for record in records.values():
             if record.start["rollout_id"] in endpoint.running:
