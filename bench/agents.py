@@ -8,7 +8,7 @@ whether the demo learns through the agent. One invocation, everything in one pro
 (i) The demo (the default config: calculator, 64 rollouts in groups of 8, 10 iterations, the hf
     engine), natively and through the openai-client agent (examples.agents.openai_loop:agent): the
     wall time of each run, its generation time (the sum of the generate-rollouts manifests'
-    `wall_s`; an agent iteration runs all its agents inside its turn 0) and its engine calls.
+    `wall_s`; an agent iteration runs all its agents inside its turn 0) and its engine's forward passes.
     Then the endpoint's own cost per model call, measured directly: the agent run's iteration-0
     requests (the bodies the openai client sent) are replayed one at a time against a fresh
     Endpoint on the same policy, first sampled (each request's render time: `record.next_call`),
@@ -27,13 +27,13 @@ whether the demo learns through the agent. One invocation, everything in one pro
     max_workers at its default. The tool workers are started before (their cold start, paid once
     per process, is reported apart). Reported: the walls of the rollout phase (the turns:
     generate-rollouts and execute-tools with their orchestration) and of the iteration, the ratios
-    agent / native, and where the time goes: the engine's calls, batch sizes, KV-cache rebuilds,
+    agent / native, and where the time goes: the engine's prefills and decode steps (rows per step),
     prefill tokens and seconds, decode steps and seconds; the tool latency's floor of each path
     (lock-step: the sum over turns of the turn's slowest guess; on their own: the longest
     rollout's sum); and whether the two paths stored the same tokens.
 (iii) The learning curve through the agent: (i)'s runs' success rate per iteration, side by side.
 
-The engine calls and render times are observed by wrapping HFEngine.sample, HFEngine._prefill and
+The engine's work and render times are observed by wrapping HFEngine._forward, HFEngine._prefill, hf_serve.forward and
 the endpoint's next_call in this process (clock reads and a list append per call). Threads: what a
 user gets (runner.threads unset). The machine may be shared: the JSON records the load average
 around each run and when the bench ran.
@@ -110,8 +110,8 @@ def loads() -> list[float]:
 
 
 class Probe:
-    """Wraps HFEngine.sample (each engine call: its batch, whether the KV cache was continued, the
-    tokens prefilled, the decode steps, the seconds), the endpoint's next_call (render seconds),
+    """Wraps HFEngine._forward and hf_serve.forward (each forward pass of the engine: its rows, the
+    tokens it prefilled or none for a decode step, the seconds), the endpoint's next_call (render seconds),
     run_agents (the agents' process: until its first request) and Endpoint.call (the request
     bodies of the first endpoint of a run, for the replay)."""
 
@@ -126,45 +126,38 @@ class Probe:
 
     def install(self) -> None:
         import stages.generate_rollouts as generate
-        from stages.generate_rollouts import hf
+        from stages.generate_rollouts import hf, hf_serve
         from stages.generate_rollouts.agents import endpoint
 
         probe = self
-        sample, prefill, next_call = hf.HFEngine.sample, hf.HFEngine._prefill, endpoint.next_call
+        forward, prefill, next_call = hf.HFEngine._forward, hf.HFEngine._prefill, endpoint.next_call
+        serving_forward = hf_serve.forward
         run_agents, call, digest = generate.run_agents, endpoint.Endpoint.call, endpoint._digest
-        prefill_s = [0.0]  # the engine runs one call at a time (the flow's thread, or the sampler's)
+        prefilling = [0]  # the tokens of the prefill under way (the engine runs one forward at a time)
 
-        def timed_prefill(engine, *args, **kwargs):
+        def timed_prefill(engine, new_tokens, shared):
+            prefilling[0] = sum(len(tokens) for tokens in new_tokens)
+            try:
+                return prefill(engine, new_tokens, shared)
+            finally:
+                prefilling[0] = 0
+
+        def timed(rows: int, prefill_tokens: int, started: float) -> None:
+            probe.engine_calls.append(
+                {"rows": rows, "prefill_tokens": prefill_tokens, "s": time.perf_counter() - started}
+            )  # prefill_tokens 0: a decode step
+
+        def timed_forward(engine, input_ids, new_mask):  # the native loop's turns (HFEngine.sample)
             started = time.perf_counter()
-            logits = prefill(engine, *args, **kwargs)
-            prefill_s[0] += time.perf_counter() - started
+            logits = forward(engine, input_ids, new_mask)
+            timed(input_ids.shape[0], prefilling[0], started)
             return logits
 
-        def timed_sample(engine, requests, sampling, forced=None, report_progress=None):
-            rows = engine._reusable_rows(requests) if requests else None
-            kept = rows is None and engine.keep_rows and any(engine._kept_prefix(r) for r in requests)
-            if kept:  # rows kept between calls (agents): each request's tokens past its kept row
-                prefill = sum(
-                    len(r.token_ids) - (len(engine._kept[r.key][0]) if engine._kept_prefix(r) else 0) for r in requests
-                )
-            elif rows is None:
-                prefill = sum(len(r.token_ids) for r in requests)
-            else:
-                prefill = sum(len(r.token_ids) - len(engine._cached_tokens[row]) for r, row in zip(requests, rows))
-            started, prefill_s[0] = time.perf_counter(), 0.0
-            completions = sample(engine, requests, sampling, forced, report_progress)
-            if requests and forced is None:
-                probe.engine_calls.append(
-                    {
-                        "batch": len(requests),
-                        "continued": rows is not None or kept,
-                        "prefill_tokens": prefill,
-                        "decode_steps": max(len(c.token_ids) for c in completions),
-                        "s": time.perf_counter() - started,
-                        "prefill_s": prefill_s[0],
-                    }
-                )
-            return completions
+        def timed_serving_forward(model, cache, blocks, pad_token_id, prefill):  # the agents' calls (serve)
+            started = time.perf_counter()
+            logits = serving_forward(model, cache, blocks, pad_token_id, prefill)
+            timed(len(blocks), sum(map(len, blocks)) if prefill else 0, started)
+            return logits
 
         def timed_next_call(*args, **kwargs):
             started = time.perf_counter()
@@ -197,8 +190,9 @@ class Probe:
                 probe.bodies[made] = body
             return made
 
-        hf.HFEngine.sample = timed_sample
+        hf.HFEngine._forward = timed_forward
         hf.HFEngine._prefill = timed_prefill
+        hf_serve.forward = timed_serving_forward
         endpoint.next_call = timed_next_call
         generate.run_agents = timed_run_agents
         endpoint.Endpoint.call = recorded_call
@@ -215,20 +209,22 @@ class Probe:
         found["agent_iterations"] = self.agent_iterations[marks[2] :]
 
 
-def engine_summary(calls: list[dict[str, Any]]) -> dict[str, Any]:
-    if not calls:
-        return {"calls": 0}
+def engine_summary(forwards: list[dict[str, Any]]) -> dict[str, Any]:
+    """The engine's forward passes: prefills (new tokens after the cache) and decode steps (one token
+    per row; rows per step is the batch the decode ran at)."""
+    if not forwards:
+        return {"forwards": 0}
+    decodes = [f for f in forwards if not f["prefill_tokens"]]
+    prefills = [f for f in forwards if f["prefill_tokens"]]
     return {
-        "calls": len(calls),
-        "busy_s": round(sum(c["s"] for c in calls), 2),
-        "batch_mean": round(statistics.fmean(c["batch"] for c in calls), 2),
-        "batch_sizes": summary([c["batch"] for c in calls], digits=1),
-        "cache_rebuilt_calls": sum(not c["continued"] for c in calls),
-        "prefill_tokens": sum(c["prefill_tokens"] for c in calls),
-        "prefill_s": round(sum(c["prefill_s"] for c in calls), 2),
-        "decode_steps": sum(c["decode_steps"] for c in calls),
-        "decode_s": round(sum(c["s"] - c["prefill_s"] for c in calls), 2),
-        "slowest_call_s": round(max(c["s"] for c in calls), 3),
+        "forwards": len(forwards),
+        "busy_s": round(sum(f["s"] for f in forwards), 2),
+        "prefills": len(prefills),
+        "prefill_tokens": sum(f["prefill_tokens"] for f in prefills),
+        "prefill_s": round(sum(f["s"] for f in prefills), 2),
+        "decode_steps": len(decodes),
+        "decode_rows": summary([f["rows"] for f in decodes], digits=1) if decodes else {},
+        "decode_s": round(sum(f["s"] for f in decodes), 2),
     }
 
 
@@ -701,6 +697,16 @@ def main() -> None:
             "runs": pairs,
             "native_default_max_workers": throttled,
         }
+        if throttled is not None:  # the agent path against that loop, per agent run
+            report["slow_tools"]["agent_over_native_default_max_workers"] = {
+                kind: [
+                    round(pair["agent"][key] / throttled[key], 3)
+                    if kind == "rollout_phase"
+                    else round(pair["agent"]["iteration_wall_s"][0] / throttled["iteration_wall_s"][0], 3)
+                    for pair in pairs
+                ]
+                for kind, key in (("rollout_phase", "rollout_phase_s"), ("iteration", "iteration_wall_s"))
+            }
         print(json.dumps({k: v for k, v in report["slow_tools"].items() if k != "runs"}, indent=2))
 
     report["ended_at"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")

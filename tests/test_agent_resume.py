@@ -1,6 +1,6 @@
 """SIGKILL `mtrl run --agent ...` while its agents run, then run the same command again: it resumes to
-the data of a run never interrupted (every token; logprobs to the last bits), and the agents' process
-dies with mtrl. Slow."""
+the data of a run never interrupted (`mtrl diff`: every byte), and the agents' process dies with mtrl.
+Slow."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-import datasets
 import pytest
 
+from pipeline.cli import main
 from pipeline.store import Store
 
 pytestmark = pytest.mark.slow
@@ -41,7 +41,9 @@ def agent_processes(parent: int | None = None) -> set[int]:
     return found
 
 
-def test_sigkill_while_agents_run_then_the_same_command_resumes_to_the_uninterrupted_data(tmp_path, prefect_server_env):
+def test_sigkill_while_agents_run_then_the_same_command_resumes_to_the_uninterrupted_data(
+    tmp_path, prefect_server_env, capsys
+):
     reference = tmp_path / "uninterrupted"
     assert start(reference, prefect_server_env).wait(timeout=600) == 0
 
@@ -64,24 +66,7 @@ def test_sigkill_while_agents_run_then_the_same_command_resumes_to_the_uninterru
     assert len(Store(faulted).versions("policy")) < 4  # killed before the end: imported + 3 iterations
 
     assert start(faulted, prefect_server_env).wait(timeout=600) == 0
-    # Every token, tool call, observation and stop is the uninterrupted run's. The logprobs may differ in
-    # the last bits where the calls were batched otherwise (the hf engine is not batch-invariant: ~1e-6;
-    # on a quiet machine the batches, and so `mtrl diff`, come out the same; under load not always).
-    for stage in ("generate-rollouts", "execute-tools", "assign-rewards"):
-        mine, theirs = by_position(faulted, stage), by_position(reference, stage)
-        assert mine.keys() == theirs.keys()
-        for key, rows in mine.items():
-            for column in rows.column_names:
-                if column not in ("policy_version", "completion_logprobs"):
-                    assert rows[column] == theirs[key][column], (stage, key, column)
-            pairs = zip(rows["completion_logprobs"], theirs[key]["completion_logprobs"])
-            assert max((abs(a - b) for x, y in pairs for a, b in zip(x, y)), default=0.0) < 1e-4
-
-
-def by_position(runs_dir: Path, stage: str) -> dict:
-    """A stage's datasets by (iteration, turn), as `mtrl diff` matches them."""
-    found = {}
-    for manifest in Store(runs_dir).versions(stage):
-        rows = datasets.load_from_disk(str(Store(runs_dir).path(stage, manifest.version)))
-        found[rows[0]["iteration"], manifest.turn] = rows
-    return found
+    # Every byte: the calls met other calls in other batches (timing), but the engine's numbers while it
+    # serves agents do not depend on a row's batch (hf.py, serve), and sampling is seeded per call.
+    assert main(["diff", str(reference), str(faulted)]) == 0
+    assert capsys.readouterr().out.strip().endswith(" 0 different")

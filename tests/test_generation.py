@@ -10,9 +10,10 @@ import torch
 
 from pipeline.evaluate import run_episodes
 from schemas.config import RunConfig
-from stages.generate_rollouts import sampling_seed
+from stages.generate_rollouts import hf_serve, sampling_seed
 from stages.generate_rollouts.engine import Request, Sampling
-from stages.generate_rollouts.hf import HFEngine, filter_logits
+from stages.generate_rollouts.hf import HFEngine
+from stages.generate_rollouts.sampling import filter_logits
 from stages.hermes import split_thinking
 from stages.policy.loading import eos_token_ids
 
@@ -243,29 +244,101 @@ class RecordingHandler(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def test_kept_rows_continue_rollouts_that_were_not_in_the_previous_batch(tiny):
-    """With keep_rows (agents: each batch holds whichever rollouts called), a rollout absent from the
-    previous batch prefills only its new tokens from its kept row, and samples what a cold engine
-    re-encoding its whole context samples."""
+def serve_in_order(engine, arrivals, follow_up):
+    """engine.serve() with requests arriving at given steps (step -> requests); `follow_up(request,
+    completion)` may return a request that arrives at the next step (an agent calling again at once).
+    Returns [(step given, request, completion)] and the forward passes [(step, rows, most new tokens)]."""
+    arrivals = dict(arrivals)
+    step, given, by_tag, widths = 0, [], {}, []
+
+    def take(idle):
+        nonlocal step
+        arrived = arrivals.pop(step, [])
+        step += 1
+        if not arrived and idle and not arrivals:
+            return None  # nothing decodes, nothing will come
+        by_tag.update((id(request), request) for request in arrived)
+        return [(id(request), request) for request in arrived]
+
+    def give(tag, completion):
+        assert not isinstance(completion, Exception)
+        given.append((step, by_tag[tag], completion))
+        again = follow_up(by_tag[tag], completion)
+        if again is not None:
+            arrivals[step] = [again]
+
+    forward = hf_serve.forward
+
+    def recorded(model, cache, blocks, pad_token_id, prefill):
+        widths.append((step, len(blocks), max(map(len, blocks))))  # the tokens each row adds
+        return forward(model, cache, blocks, pad_token_id, prefill)
+
+    hf_serve.forward = recorded
+    try:
+        engine.serve(take, give, Sampling(1.0))
+    finally:
+        hf_serve.forward = forward
+    return given, widths
+
+
+def test_serve_batches_continuously_and_a_row_samples_the_same_bytes_whatever_shares_its_batch(tiny):
+    """serve() (the agents' endpoint): requests join the batch while it decodes and each completion is
+    given as soon as it ends; a rollout's next call, joining mid-decode, prefills only its new tokens
+    after its kept row; and every call samples exactly the bytes (tokens and logprobs) it samples when
+    its rollout is served alone, call after call: batch-invariant numbers."""
     model, tokenizer = tiny
     eos = eos_token_ids(tokenizer, model)
-    engine = HFEngine(model, tokenizer.pad_token_id, eos, tokenizer.decode)
-    engine.keep_rows_between_calls(True)
     prompts = [
-        tokenizer.encode(f"<|im_start|>user\nEvaluate {a}*{a + 2}.<|im_end|>\n<|im_start|>assistant\n")
-        for a in range(4)
+        tokenizer.encode(f"<|im_start|>user\nEvaluate {a}*{a + 2}{' please' * a}.<|im_end|>\n<|im_start|>assistant\n")
+        for a in range(6)
     ]
-    first = engine.sample([Request(i, p, sampling_seed(0, 0, i, 0), 16) for i, p in enumerate(prompts)], Sampling(1.0))
     follow = tokenizer.encode("\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n")
-    engine.sample([Request(0, prompts[0] + first[0].token_ids + follow, 7, 8)], Sampling(1.0))  # rollout 0 alone
-    later = [Request(i, prompts[i] + first[i].token_ids + follow, sampling_seed(0, 0, i, 1), 16) for i in (1, 3)]
-    engine_forward = engine._forward
-    widths = []
-    engine._forward = lambda ids, mask: widths.append(ids.shape[1]) or engine_forward(ids, mask)
-    kept = engine.sample(later, Sampling(1.0))
-    cold = ColdEngine(model, tokenizer.pad_token_id, eos).sample(later, Sampling(1.0))
-    assert [c.token_ids for c in kept] == [c.token_ids for c in cold]
-    assert max(abs(a - b) for k, c in zip(kept, cold) for a, b in zip(k.logprobs, c.logprobs)) < 1e-4
-    assert widths[0] <= len(follow) + 1  # the prefill: each row's new tokens only, not its whole context
-    engine.keep_rows_between_calls(False)
-    assert not engine._kept
+
+    def call_again(request, completion):  # every rollout's agent calls once more, at once
+        if request.seed != sampling_seed(0, 0, request.key, 0):
+            return None
+        context = request.token_ids + completion.token_ids + follow
+        return Request(request.key, context, sampling_seed(0, 0, request.key, 1), 16)
+
+    first = [Request(i, p, sampling_seed(0, 0, i, 0), 4 if i == 0 else 24) for i, p in enumerate(prompts)]
+    engine = HFEngine(model, tokenizer.pad_token_id, eos, tokenizer.decode)
+    given, widths = serve_in_order(engine, {0: first[:3], 2: first[3:5], 9: first[5:]}, call_again)
+
+    assert len(given) == 12
+    order = [(request.key, request.seed) for _, request, _ in given]
+    assert order.index((0, first[0].seed)) < order.index((1, first[1].seed))  # it did not wait for the long ones
+    joined_at = next(s for s, request, _ in given if request is first[0])
+    # rollout 0's second call joined while others decoded, and its prefill was its new tokens only
+    assert any(s == joined_at + 1 and rows == 1 and width <= len(follow) + 1 for s, rows, width in widths)
+    assert max(s for s, _, _ in given) > joined_at
+    assert engine.model.config._attn_implementation != "mtrl_rows"  # the model as it was
+    assert all("forward" not in vars(module) for module in engine.model.modules())
+
+    for rollout in range(len(prompts)):  # each rollout alone, call after call, on a fresh engine
+        alone_engine = HFEngine(model, tokenizer.pad_token_id, eos, tokenizer.decode)
+        alone, _ = serve_in_order(alone_engine, {0: [first[rollout]]}, call_again)
+        batched = [(r.token_ids, c) for _, r, c in given if r.key == rollout]
+        assert [(r.token_ids, c) for _, r, c in alone] == batched, rollout  # tokens and logprobs, exactly
+    # and the same tokens as the engine's sample() re-encoding each context alone (its own attention)
+    for _, request, completion in given:
+        (cold,) = ColdEngine(model, tokenizer.pad_token_id, eos).sample([request], Sampling(1.0))
+        assert completion.token_ids == cold.token_ids
+        assert max(abs(a - b) for a, b in zip(completion.logprobs, cold.logprobs)) < 1e-4
+
+
+def test_a_prefill_gives_the_same_bytes_alone_or_beside_longer_ones(tiny):
+    """A call adding one token, prefilled alone or in a block beside calls adding more: the same logits
+    to the last bit (a block is at least two tokens wide: attention's matmuls then see four rows)."""
+    model, tokenizer = tiny
+    prompt = tokenizer.encode("<|im_start|>user\nEvaluate 3*5.<|im_end|>\n<|im_start|>assistant\n")
+    other = tokenizer.encode("<|im_start|>user\nEvaluate 12*12 please.<|im_end|>\n<|im_start|>assistant\n")
+    pad = tokenizer.pad_token_id
+    with torch.no_grad(), hf_serve.batch_invariant(model):
+        kept = {}
+        for key, tokens in ((0, prompt), (1, other[:-9])):  # each rollout's row after a first call
+            kept[key] = (tokens, hf_serve.admit(model, [Request(key, tokens, 1, 4)], {}, pad)[0].row(0))
+        one_more = Request(0, prompt + [7], 2, 4)  # one token after its kept row
+        nine_more = Request(1, other, 3, 4)  # nine tokens after its kept row
+        _, alone = hf_serve.admit(model, [one_more], kept, pad)
+        _, together = hf_serve.admit(model, [nine_more, one_more], kept, pad)
+    assert torch.equal(alone[0], together[1])

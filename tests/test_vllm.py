@@ -311,3 +311,29 @@ def test_a_broken_update_fails_the_iteration_and_stores_no_rollouts_from_it(
         assert {m.iteration for m in store.versions("generate-rollouts")} == {0}  # nothing of iteration 1
     finally:
         engine.load_policy(EMBEDDED_POLICY)  # mtrl's update makes the module's server exact again
+
+
+def test_serve_answers_each_call_as_it_ends_with_what_generate_samples(engine, tiny):
+    """The agents' endpoint on the vLLM engine: calls are sent as they arrive (the server batches them),
+    each completion is given back on its own, as generate() samples it; a call the server refuses
+    fails alone."""
+    _, tokenizer = tiny
+    prompt = prompt_token_ids(tokenizer, [{"role": "user", "content": "What is 6 * 7?"}], [], True)
+    requests = [Request(i, prompt, sampling_seed(0, 0, i, 0), 24) for i in range(4)]
+    refused = Request(9, [tokenizer.vocab_size + 10**6], 1, 4)  # a token id outside the vocabulary
+    waves = [[(i, r) for i, r in enumerate(requests[:2])], [(2, requests[2]), (3, requests[3]), (9, refused)]]
+    given: dict[int, object] = {}
+
+    def take(idle: bool):
+        if waves:
+            return waves.pop(0)
+        while len(given) < 5:  # wait until every call came back, then stop
+            time.sleep(0.01)
+        return None
+
+    engine.serve(take, lambda tag, outcome: given.__setitem__(tag, outcome), Sampling(1.0))
+    assert isinstance(given[9], Exception)
+    for i, request in enumerate(requests):
+        expected = engine.generate([request], Sampling(1.0)).completions[0]
+        assert given[i].token_ids == expected.token_ids
+        assert given[i].logprobs == pytest.approx(expected.logprobs, abs=1e-5)

@@ -121,6 +121,18 @@ class GenerationEngine(Protocol):
         `report_progress`, when given, is called with the share of the work done (0 to 1)."""
         ...
 
+    def serve(
+        self,
+        take: Callable[[bool], Sequence[tuple[Any, Request]] | None],
+        give: Callable[[Any, Completion | Exception], None],
+        sampling: Sampling,
+    ) -> None:
+        """Serve requests as they arrive (the agents' endpoint): `take(idle)` returns the tagged requests
+        waiting now, blocking for some when the engine is `idle` (serving none), or None to stop; each
+        completion (or the exception that failed it) goes to `give(tag, ...)` as soon as it is done, not
+        when the others are: a request never waits for another's completion to end."""
+        ...
+
     def close(self) -> None:
         """Free what the engine holds (weights, caches, a server)."""
         ...

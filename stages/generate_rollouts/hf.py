@@ -19,22 +19,9 @@ from transformers import DynamicCache
 from schemas.features import FinishReason
 from schemas.token_stream import rollouts
 from stages.generate_rollouts.engine import ENGINES, Completion, EngineSettings, Generation, Request, Sampling
+from stages.generate_rollouts.hf_serve import serve_continuously
+from stages.generate_rollouts.sampling import draw, finish_reason, logprobs_of
 from stages.policy.loading import TRANSFORMERS_GLOBALS, eos_token_ids, load_model
-
-
-def filter_logits(scaled_logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Top-k then top-p truncation of temperature-scaled logits (removed entries -> -inf)."""
-    if top_k > 0 and top_k < scaled_logits.shape[-1]:
-        kth = torch.topk(scaled_logits, top_k, dim=-1).values[..., -1:]
-        scaled_logits = scaled_logits.masked_fill(scaled_logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled_logits, descending=True, dim=-1)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        remove_sorted = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses p
-        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
-        scaled_logits = scaled_logits.masked_fill(remove, float("-inf"))
-    return scaled_logits
-
 
 # A row that left the batch while decoding: its attention mask and every layer's (keys, values).
 Retired = tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]
@@ -65,11 +52,6 @@ class HFEngine:
         self.eos_token_ids = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=self.device)
         self.decode = decode  # token ids -> text: needed only for stop strings
         self.max_model_len = getattr(model.config, "max_position_embeddings", None) or 10**9
-        # Keep every rollout's row between calls (agents: each batch holds whichever rollouts called
-        # at that moment), so a rollout that was not in the previous batch still prefills only its new
-        # tokens. Off for the native loop, whose turn t + 1 holds turn t's rollouts.
-        self.keep_rows = False
-        self._kept: dict[int, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]] = {}
         self.reset()
 
     @classmethod
@@ -88,6 +70,17 @@ class HFEngine:
     def close(self) -> None:
         self.reset()
         self.model = None
+
+    def serve(
+        self,
+        take: Callable[[bool], Sequence[tuple[Any, Request]] | None],
+        give: Callable[[Any, Completion | Exception], None],
+        sampling: Sampling,
+    ) -> None:
+        """The agents' calls as they come: continuous, batch-invariant batching (hf_serve.py)."""
+        self.reset()  # serve() keeps its own cache; the turns' cache would not continue after it
+        eos = set(self.eos_token_ids.tolist())
+        serve_continuously(self.model, self.pad_token_id, eos, self.decode, take, give, sampling)
 
     def generate(
         self,
@@ -108,7 +101,7 @@ class HFEngine:
         return Generation(self.sample(requests, sampling, report_progress=report_progress), replayed)
 
     def reset(self) -> None:
-        """Forget the batch's cache (not the kept rows)."""
+        """Forget the batch's cache."""
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None  # [rows, cached length], 1 on real tokens
         self._keys: list[int] = []
@@ -130,40 +123,6 @@ class HFEngine:
                 return None
             rows.append(row)
         return rows
-
-    def keep_rows_between_calls(self, keep: bool) -> None:
-        """Keep (or stop keeping, and forget) every request's row after each call (keep_rows)."""
-        self.keep_rows = keep
-        self._kept.clear()
-
-    def _kept_prefix(self, request: Request) -> bool:
-        kept = self._kept.get(request.key)
-        return (
-            kept is not None and len(kept[0]) < len(request.token_ids) and request.token_ids[: len(kept[0])] == kept[0]
-        )
-
-    def _from_kept_rows(self, requests: Sequence[Request]) -> list[list[int]]:
-        """A cache of one row per request from the kept rows (right-aligned; an empty row for a request
-        whose kept row it does not extend); returns each request's tokens still to prefill."""
-        kept = [self._kept[r.key] if self._kept_prefix(r) else ([], None) for r in requests]
-        width = max(len(tokens) for tokens, _ in kept)
-        self.reset()
-        self._cache = DynamicCache(config=self.model.config)
-        self._mask = torch.zeros((len(requests), width), dtype=torch.long, device=self.device)
-        template = next(layers for _, layers in kept if layers is not None)
-        for index, layer in enumerate(self._cache.layers):
-            keys, values = template[index]
-            shape = (len(requests), keys.shape[0], width, keys.shape[-1])
-            layer.keys, layer.values = keys.new_zeros(shape), values.new_zeros(shape)
-            layer.device, layer.is_initialized = self.device, True
-            for row, (tokens, layers) in enumerate(kept):
-                if layers is not None:
-                    layer.keys[row, :, width - len(tokens) :], layer.values[row, :, width - len(tokens) :] = layers[
-                        index
-                    ]
-        for row, (tokens, _) in enumerate(kept):
-            self._mask[row, width - len(tokens) :] = 1
-        return [r.token_ids[len(tokens) :] for r, (tokens, _) in zip(requests, kept)]
 
     def _compact(self) -> None:
         """Drop the masked columns (pads between segments) from the cache, keeping each row's
@@ -279,9 +238,7 @@ class HFEngine:
         if self.decode is None and any(request.stop for request in requests):
             raise ValueError("stop strings need the engine's decode function (HFEngine(..., decode=tokenizer.decode))")
         rows = self._reusable_rows(requests)
-        if rows is None and self.keep_rows and any(self._kept_prefix(r) for r in requests):
-            new_tokens = self._from_kept_rows(requests)
-        elif rows is None:
+        if rows is None:
             self.reset()
             self._cache = DynamicCache(config=self.model.config)
             new_tokens = [r.token_ids for r in requests]
@@ -301,32 +258,18 @@ class HFEngine:
         live = list(range(len(requests)))  # the requests the cache's rows hold, in row order
         retired: dict[int, Retired] = {}  # request -> its row, once it left the batch
         while True:
-            scaled = logits / sampling.temperature
-            token_logprobs = torch.log_softmax(scaled, dim=-1)
             if forced is None:
-                # Inverse-CDF sampling with one uniform per row from the row's own generator:
-                # vectorised, and a row's tokens do not depend on the rest of the batch.
-                probs = filter_logits(scaled, sampling.top_k, sampling.top_p).softmax(dim=-1)
-                uniforms = torch.stack(
-                    [torch.rand((), generator=generators[i], device=self.device, dtype=torch.float32) for i in live]
-                )
-                cumulative = probs.cumsum(dim=-1)
-                tokens = torch.searchsorted(cumulative, (uniforms * cumulative[:, -1])[:, None])[:, 0]
-                tokens = tokens.clamp(max=probs.shape[-1] - 1)
+                tokens, chosen_logprobs = draw(logits, [generators[i] for i in live], sampling)
             else:
                 tokens = torch.tensor([forced[i][len(sampled[i])] for i in live], device=self.device)
-            chosen_logprobs = token_logprobs.gather(-1, tokens[:, None])[:, 0].tolist()
+                chosen_logprobs = logprobs_of(logits, tokens, sampling)
             for i, token, logprob in zip(live, tokens.tolist(), chosen_logprobs):
                 sampled[i].append(token)
                 logprobs[i].append(logprob)
                 if forced is not None:
                     finish[i] = FinishReason.REPLAYED if len(sampled[i]) == len(forced[i]) else None
-                elif token in eos:
-                    finish[i] = FinishReason.STOP
-                elif requests[i].stop and any(stop in self.decode(sampled[i]) for stop in requests[i].stop):
-                    finish[i] = FinishReason.STOP_STRING
-                elif len(sampled[i]) >= limits[i]:
-                    finish[i] = FinishReason.LENGTH
+                else:
+                    finish[i] = finish_reason(requests[i], sampled[i], eos, self.decode)
             progress.update()
             finished = all(f is not None for f in finish)
             if report_progress is not None:
@@ -347,11 +290,6 @@ class HFEngine:
         # The last sampled token of each row is not in the cache yet; it is fed next turn.
         self._keys = [r.key for r in requests]
         self._cached_tokens = [r.token_ids + s[:-1] for r, s in zip(requests, sampled)]
-        if self.keep_rows:
-            for row, (key, tokens) in enumerate(zip(self._keys, self._cached_tokens)):
-                real = self._mask[row].bool()  # its tokens' columns (a row may hold pads between segments)
-                rows = [(layer.keys[row][:, real], layer.values[row][:, real]) for layer in self._cache.layers]
-                self._kept[key] = (tokens, rows)
         return [Completion(s, lp, f or FinishReason.LENGTH) for s, lp, f in zip(sampled, logprobs, finish)]
 
     def replay(self, history: datasets.Dataset, sampling: Sampling) -> float:

@@ -277,6 +277,26 @@ class VLLMEngine:
                     report_progress(done / len(requests))
         return Generation(completions)
 
+    def serve(
+        self,
+        take: Callable[[bool], Sequence[tuple[Any, Request]] | None],
+        give: Callable[[Any, Completion | Exception], None],
+        sampling: Sampling,
+    ) -> None:
+        """Each request is sent as it arrives: the server batches them continuously itself."""
+
+        def answer(tag: Any, request: Request) -> None:
+            try:
+                outcome: Completion | Exception = self.complete(request, sampling)
+            except Exception as exc:  # this request fails, not the others
+                outcome = exc
+            give(tag, outcome)
+
+        with ThreadPoolExecutor(max_workers=256) as pool:
+            while (arrived := take(True)) is not None:
+                for tag, request in arrived:
+                    pool.submit(answer, tag, request)
+
     def complete(self, request: Request, sampling: Sampling) -> Completion:
         body = {
             "model": SERVED_MODEL_NAME,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,14 +27,13 @@ from typing import Any
 
 from stages.generate_rollouts.agents import openai_api
 from stages.generate_rollouts.agents.record import Call, RequestError, RolloutRecord, next_call, reply_of
-from stages.generate_rollouts.engine import GenerationEngine, Request, Sampling
+from stages.generate_rollouts.engine import Completion, GenerationEngine, Request, Sampling
 
-# After a request arrives, the sampler waits for the other agents' calls while they keep coming: until
-# every running agent has called, or none came for GATHER_S, or GATHER_MAX_S passed. Measured on the
-# demo (bench/agents.py): 64 agents' calls in batches of 20 on average (the native loop: 54), so the
-# engine decodes 2.3x the steps; rows joining a batch while it decodes would remove that.
+# When the engine is idle and a call arrives, the sampler waits for the other agents' calls while they
+# keep coming: until every running agent has called, or none came for GATHER_S, or GATHER_MAX_S passed.
+# While the engine decodes, calls join its batch at its next step (engine.serve).
 GATHER_S = 0.03
-GATHER_MAX_S = 0.5
+GATHER_MAX_S = 0.1
 _PATH = re.compile(r"^/rollouts/(\d+)(/.*)$")
 
 
@@ -58,11 +58,12 @@ class Endpoint:
         self.engine, self.tokenizer, self.records = engine, tokenizer, records
         self.sampling, self.max_new_tokens, self.max_context_tokens = sampling, max_new_tokens, max_context_tokens
         self.enable_thinking, self.seed_of, self.model, self.api_key = enable_thinking, seed_of, model, api_key
-        self.waiting: list[tuple[RolloutRecord, Call, int]] = []
+        self.waiting: list[tuple[RolloutRecord, Call, int]] = []  # calls not yet taken by the engine
+        self.in_flight: dict[int, tuple[RolloutRecord, Call]] = {}  # calls the engine holds, by id
         self.running: set[int] = set()  # rollouts whose agents have not returned
         self.arrived = threading.Condition()
         self.stopped = False
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self.server = _Server(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
         self.threads = [
             threading.Thread(target=self.server.serve_forever, name="mtrl-agent-http", daemon=True),
@@ -74,7 +75,6 @@ class Endpoint:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def __enter__(self) -> Endpoint:
-        self._keep_rows(True)
         for thread in self.threads:
             thread.start()
         return self
@@ -87,14 +87,6 @@ class Endpoint:
         self.server.server_close()
         for thread in self.threads:
             thread.join()
-        self._keep_rows(False)
-
-    def _keep_rows(self, keep: bool) -> None:
-        """An engine that can keep each rollout's cache between calls does, while agents run: each batch
-        holds whichever rollouts called at that moment, not the previous batch's (the hf engine)."""
-        keeping = getattr(self.engine, "keep_rows_between_calls", None)
-        if keeping is not None:
-            keeping(keep)
 
     def agent_returned(self, rollout_id: int) -> None:
         with self.arrived:
@@ -136,42 +128,69 @@ class Endpoint:
             raise call.error
         return call
 
-    def _gather(self) -> list[tuple[RolloutRecord, Call, int]]:
-        """The calls waiting now, after a short wait for the other agents' calls (they arrive together
-        when their tools are fast: one batch, as the native loop's turn)."""
+    def _take(self, idle: bool) -> list[tuple[tuple[RolloutRecord, Call], Request]] | None:
+        """The engine's next requests: the calls waiting now, or None once the endpoint stops. When the
+        engine is `idle`, wait for a call, then for the other agents' calls while they keep coming
+        (their tools are fast: they arrive together, and a group's prompts are prefilled once)."""
         with self.arrived:
-            while not self.waiting and not self.stopped:
-                self.arrived.wait()
-            first = time.monotonic()
-            while not self.stopped and len(self.waiting) < len(self.running):
-                seen = len(self.waiting)
-                quiet_until = min(time.monotonic() + GATHER_S, first + GATHER_MAX_S)
-                while len(self.waiting) == seen and not self.stopped and time.monotonic() < quiet_until:
-                    self.arrived.wait(quiet_until - time.monotonic())
-                if len(self.waiting) == seen:  # none came for GATHER_S, or GATHER_MAX_S passed
-                    break
-            batch, self.waiting = self.waiting, []
-            return batch
+            if idle:
+                while not self.waiting and not self.stopped:
+                    self.arrived.wait()
+                first = time.monotonic()
+                while not self.stopped and len(self.waiting) < len(self.running):
+                    seen = len(self.waiting)
+                    quiet_until = min(time.monotonic() + GATHER_S, first + GATHER_MAX_S)
+                    while len(self.waiting) == seen and not self.stopped and time.monotonic() < quiet_until:
+                        self.arrived.wait(quiet_until - time.monotonic())
+                    if len(self.waiting) == seen:  # none came for GATHER_S, or GATHER_MAX_S passed
+                        break
+            if self.stopped:
+                return None
+            taken, self.waiting = self.waiting, []
+            self.in_flight.update((id(call), (record, call)) for record, call, _ in taken)
+        return [
+            ((record, call), Request(record.start["rollout_id"], call.stream, call.seed, budget))
+            for record, call, budget in taken
+        ]
+
+    def _give(self, tag: tuple[RolloutRecord, Call], outcome: Completion | Exception) -> None:
+        """A call's completion (or the engine's failure) goes back to the request waiting for it."""
+        record, call = tag
+        if isinstance(outcome, Exception):
+            call.error = RequestError(f"the engine failed: {outcome.__class__.__name__}: {outcome}", 500)
+        else:
+            call.completion, call.logprobs, call.finish_reason = (
+                outcome.token_ids,
+                outcome.logprobs,
+                outcome.finish_reason,
+            )
+            reply_of(call, self.tokenizer, record.start["rollout_id"])
+        with self.arrived:
+            self.in_flight.pop(id(call), None)
+        call.done.set()
 
     def _sample_forever(self) -> None:
-        while True:
-            batch = self._gather()
-            if not batch:
-                return  # stopped
-            requests = [
-                Request(record.start["rollout_id"], call.stream, call.seed, budget) for record, call, budget in batch
-            ]
+        """The engine serves the calls as they come (continuous batching where it has it); if it fails, the
+        calls it held fail (a 500) and it serves on."""
+        while not self.stopped:
             try:
-                completions = self.engine.generate(requests, self.sampling).completions
-                for (record, call, _), completion in zip(batch, completions):
-                    call.completion, call.logprobs = completion.token_ids, completion.logprobs
-                    call.finish_reason = completion.finish_reason
-                    reply_of(call, self.tokenizer, record.start["rollout_id"])
-            except Exception as exc:  # the engine failed: these calls fail (a 500), the sampler goes on
-                for _, call, _ in batch:
-                    call.error = RequestError(f"the engine failed: {exc.__class__.__name__}: {exc}", 500)
-            for _, call, _ in batch:
-                call.done.set()
+                self.engine.serve(self._take, self._give, self.sampling)
+            except Exception as exc:
+                with self.arrived:
+                    failed = list(self.in_flight.values())
+                for tag in failed:
+                    self._give(tag, exc)
+        with self.arrived:
+            left = list(self.in_flight.values()) + [(record, call) for record, call, _ in self.waiting]
+        for tag in left:  # the run is over before they were answered
+            self._give(tag, RuntimeError("the endpoint stopped"))
+
+
+class _Server(ThreadingHTTPServer):
+    # The listen backlog: socketserver's default of 5 pending connections dropped the SYNs of most of 64
+    # agents' first calls, which the clients' kernels sent again 1 s later (bench/agents.py: the first
+    # calls came in waves at 0, 1.0 and 1.4 s).
+    request_queue_size = socket.SOMAXCONN
 
 
 def _digest(body: dict[str, Any]) -> str:

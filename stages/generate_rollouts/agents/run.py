@@ -30,6 +30,10 @@ MODEL_NAME = "policy"  # the model name the endpoint answers to (any name is acc
 # the agents again: seeded per rollout and call, a deterministic agent makes the same calls.
 RECORDS: OrderedDict[tuple[str, int, str], dict[int, RolloutRecord]] = OrderedDict()
 RECORDS_KEPT = 2
+# An agents' process started when an iteration's agents are done, for the next iteration: Python's start
+# and openai's import (0.8 s, bench/agents.py) happen while the update trains, not when the agents'
+# calls should begin.
+SPARE: list[subprocess.Popen] = []
 
 
 def run_agents(
@@ -79,17 +83,7 @@ def run_agents(
             ],
         }
         environment = {**os.environ, "OPENAI_AGENTS_DISABLE_TRACING": "1", "PYTHONUNBUFFERED": "1"}
-        # SIGKILLed when mtrl dies, however it dies (runtime/processes.py)
-        child = popen_for_this_process(
-            [sys.executable, CHILD],
-            signal.SIGKILL,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=environment,
-            start_new_session=True,  # what the agents start is in its group, killed with it
-        )
+        child = _agents_process(environment)
         stderr: list[str] = []
         drain = threading.Thread(target=lambda: stderr.extend(child.stderr), daemon=True)
         drain.start()
@@ -105,12 +99,9 @@ def run_agents(
                     record.reward = outcome["reward"]
                 endpoint.agent_returned(record.start["rollout_id"])
             child.wait()
+            SPARE.append(_start_agents_process(environment))  # the next iteration's, warming up meanwhile
         finally:
-            try:  # the agents' process if it still runs, and whatever its agents left running
-                os.killpg(child.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            child.wait()
+            _kill(child)  # if it still runs, and whatever its agents left running
         drain.join(timeout=5)
         for record in records.values():
             if record.start["rollout_id"] in endpoint.running:
@@ -119,6 +110,43 @@ def run_agents(
                     f"the agent process exited with code {child.returncode} before this rollout's agent returned: {tail}"
                 )
     return records
+
+
+def _start_agents_process(environment: dict[str, str]) -> subprocess.Popen:
+    """The agents' process, waiting for its rollouts on stdin; SIGKILLed when mtrl dies, however it
+    dies (runtime/processes.py)."""
+    process = popen_for_this_process(
+        [sys.executable, CHILD],
+        signal.SIGKILL,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment,
+        start_new_session=True,  # what the agents start is in its group, killed with it
+    )
+    process.environment = environment
+    return process
+
+
+def _agents_process(environment: dict[str, str]) -> subprocess.Popen:
+    """The spare agents' process started at the end of the previous iteration, if it still waits with
+    this environment, else a new one."""
+    while SPARE:
+        spare = SPARE.pop()
+        if spare.poll() is None and spare.environment == environment:
+            return spare
+        _kill(spare)
+    return _start_agents_process(environment)
+
+
+def _kill(process: subprocess.Popen) -> None:
+    """Kill an agents' process and its process group."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
 
 
 def _ending(record: RolloutRecord) -> dict[str, Any]:
