@@ -140,6 +140,7 @@ def start_flows(config: RunConfig) -> Callable[..., Any]:
 def command_run(args: argparse.Namespace) -> Work:
     config = build_config(args)
     run_flow = start_flows(config)
+    from pipeline import progress
     from pipeline.flows import rl_training
     from pipeline.report import write_report
     from pipeline.store import Store
@@ -148,16 +149,18 @@ def command_run(args: argparse.Namespace) -> Work:
     PHASES.mark("checks_done")
 
     def run() -> None:
+        store = Store(config.store.runs_dir)
+        log_stem = f"run-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"  # the run's .log (Prefect's lines), .json
         try:
-            results = run_flow(rl_training, config)
+            with progress.shown(config.iterations, store.root / "logs" / f"{log_stem}.log", sys.stderr, args.verbose):
+                results = run_flow(rl_training, config)
         except RayError as exc:
             raise UsageError(str(exc)) from None
         wall = time.time() - PHASES.marks["api_ready"]  # the flows' time, the API's start left out
         PHASES.mark("flows_done")
-        store = Store(config.store.runs_dir)
         curve, png = write_report(store, policy_version=results[-1]["next_policy"])
         PHASES.mark("report_done")
-        log = write_run_log(store, results)
+        log = write_run_log(store, results, log_stem)
         print(f"\n{curve}\n\nlearning curve: {png}")
         last = results[-1]
         print(f"\n{len(results)} iteration(s) in {wall:.1f} s (timings: {log}). Datasets of the last iteration:")
@@ -197,15 +200,15 @@ def command_sft(args: argparse.Namespace) -> Work:
     return run
 
 
-def write_run_log(store: Store, results: list[dict[str, Any]]) -> Path:
-    """RUNS_DIR/logs/run-<time>-<pid>.json: the command, the versions it made and where its time
-    went (runtime/phases.py; the stages' own time is each manifest's wall_s). bench/orchestration.py
-    reads it."""
+def write_run_log(store: Store, results: list[dict[str, Any]], stem: str) -> Path:
+    """RUNS_DIR/logs/STEM.json (STEM: run-<time>-<pid>, beside the run's .log of Prefect's lines): the
+    command, the versions it made and where its time went (runtime/phases.py; the stages' own time is
+    each manifest's wall_s). bench/orchestration.py reads it."""
     from pipeline.report import replace_file
 
     folder = store.root / "logs"
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"run-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.json"
+    path = folder / f"{stem}.json"
     record = {"argv": sys.argv, "iterations": results, "phases": PHASES.as_dict()}
     replace_file(path, (json.dumps(record, indent=2, default=str) + "\n").encode())
     return path
@@ -438,6 +441,9 @@ def parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="train: RL iterations through the Prefect flow")
     config_flags(run)
+    run.add_argument(
+        "--verbose", action="store_true", help="Prefect's flow- and task-run log lines on the console too, no live line"
+    )
     run.set_defaults(handler=command_run)
 
     warm = commands.add_parser(

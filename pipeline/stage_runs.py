@@ -28,7 +28,7 @@ import datasets
 import torch
 from prefect import get_run_logger, task
 
-from pipeline import artifacts, lineage, retention
+from pipeline import artifacts, lineage, progress, retention
 from pipeline.artifacts import publish_stage
 from pipeline.audit import audit_before_training
 from pipeline.stage_table import POLICY, STAGES, code_version, stage_version
@@ -228,11 +228,14 @@ def run_stage(
     parameters = {"name": name, "config": config, "version": version, "parents": parents, "position": position}
     if given:
         parameters["given"] = given
+    progress.stage_started(name, position)
     if runner is not None and stage.distributed:
         runner.submit(configured, parameters).result()
     else:
         configured(**parameters)
-    return store.manifest(name, version)
+    made = store.manifest(name, version)
+    progress.stage_finished(name, made)
+    return made
 
 
 def open_engine(config: RunConfig, policy: str) -> None:
