@@ -14,16 +14,27 @@ export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup demo test test-fast lint clean
+.PHONY: setup browser demo test test-fast lint clean
 
-setup: $(VENV)/.installed $(VLLM_VENV)/.installed $(VERIFIERS_VENV)/.installed
+setup: browser $(VENV)/.installed $(VLLM_VENV)/.installed $(VERIFIERS_VENV)/.installed
+
+# `mtrl view`'s tests (tests/test_viewer.py) drive a real headless Chromium: Debian's package, installed
+# when it is missing, we are root and apt-get exists; otherwise this says how (the tests fail without it).
+browser:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+	else \
+		echo "no /usr/bin/chromium: tests/test_viewer.py needs it; install it as root with" \
+			"'apt-get install -y chromium chromium-driver' (or run 'make browser' as root)"; \
+	fi
 
 # torch==2.13.0 first: here it is the local CPU wheel; an unpinned torch would pull a CUDA build.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev,ray,ecosystem,agents]"
+	$(BIN)/pip install --quiet -e ".[dev,ray,ecosystem,agents,tracking]"
 	touch $@
 
 # torchvision, torchaudio and torchcodec from the index do not import against the CPU torch (and

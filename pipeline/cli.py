@@ -6,6 +6,7 @@ mtrl ls [--runs-dir DIR]         every stored version
 mtrl show STAGE/VERSION          a version's manifest and where its data is
 mtrl lineage STAGE/VERSION       its chain of parents back to the starting policy
 mtrl config [SECTION]            every config field: its --set name, type, default, range and meaning
+mtrl view [RUNS_DIR]             an iteration's rollouts in the browser (or --out FILE.html)
 """
 
 from __future__ import annotations
@@ -303,6 +304,20 @@ def command_report(args: argparse.Namespace) -> Work:
     return run
 
 
+def command_view(args: argparse.Namespace) -> Work:
+    from pipeline.store import Store
+    from pipeline.viewer import serve, write_page
+
+    def run() -> None:
+        store = Store(args.runs_dir)
+        if args.out:
+            print(f"{write_page(store, args.iteration, args.out)}  (open it in a browser)")
+        else:
+            serve(store, args.port, args.iteration)
+
+    return run
+
+
 def command_ls(args: argparse.Namespace) -> Work:
     from pipeline.store import Store
 
@@ -502,6 +517,12 @@ def parser() -> argparse.ArgumentParser:
     diff.add_argument("left", type=Path, metavar="RUNS_DIR_A")
     diff.add_argument("right", type=Path, metavar="RUNS_DIR_B")
     diff.set_defaults(handler=command_diff)
+    view = commands.add_parser("view", help="an iteration's rollouts in the browser: turns, tokens, advantages")
+    view.add_argument("runs_dir", nargs="?", type=Path, default=Path("runs"), metavar="RUNS_DIR")
+    view.add_argument("--iteration", type=int, help="the iteration shown first (default: the last)")
+    view.add_argument("--out", type=Path, help="write one static HTML file of the iteration instead of serving")
+    view.add_argument("--port", type=int, default=8765, help="serve on 127.0.0.1:PORT (0: any free port)")
+    view.set_defaults(handler=command_view)
     ls = commands.add_parser("ls", help="every stored version")
     ls.add_argument("--runs-dir", type=Path, default=Path("runs"))
     ls.set_defaults(handler=command_ls)

@@ -25,7 +25,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from pipeline import artifacts, lineage, retention
+from pipeline import artifacts, lineage, retention, tracking
 from pipeline.artifacts import generation_progress, publish_summary
 from pipeline.models import starting_policy
 from pipeline.prefect_settings import flow_heartbeats
@@ -102,6 +102,7 @@ def rl_iteration(
                 batch.metrics["success_rate"] or 0,
             )
             publish_summary(store, updated.policy, plot=plot)
+            tracking.log_iteration(config, store, updated.policy)  # copied to tracking.backends
     return {
         "iteration": iteration,
         "policy": policy_version,

@@ -17,6 +17,7 @@ from typing import Any
 from pipeline.lineage import latest_policy
 from pipeline.stage_table import POLICY
 from pipeline.store import Store, StoreError
+from schemas.manifest import Manifest
 
 COLUMNS = (  # (key, header, width, decimals)
     ("iteration", "iter", 4, 0),
@@ -34,28 +35,37 @@ COLUMNS = (  # (key, header, width, decimals)
 )
 
 
-def iterations(store: Store, policy_version: str | None = None) -> list[dict[str, Any]]:
-    """One row per iteration of the lineage ending at `policy_version` (default: the newest)."""
+def iteration_versions(store: Store, policy_version: str | None = None) -> list[list[Manifest]]:
+    """The versions each iteration of the lineage ending at `policy_version` (default: the newest)
+    made, oldest iteration first: its ppo-update first, then what it was made from, back to the
+    policies (its turns' generate-rollouts and execute-tools, assign-rewards, compute-advantages)."""
     policy_version = policy_version or latest_policy(store)
     if policy_version is None:
         raise StoreError(f"no policy in {store.root}: nothing to report")
-    rows = []
+    made_by_iteration = []
     version = policy_version
     while "ppo-update" in (parents := store.manifest(POLICY, version).parents):  # back to RL's starting policy
-        # the iteration's versions: its ppo-update and what it was made from, back to the policies
         made = [m for m in store.walk_lineage("ppo-update", parents["ppo-update"], stop_at=POLICY) if m.stage != POLICY]
-        update, rewards = made[0], next(m for m in made if m.stage == "assign-rewards")
-        rows.append(
-            {
-                "iteration": update.iteration,
-                "policy": update.parents[POLICY],
-                **rewards.metrics,
-                **{k: v for k, v in update.metrics.items() if k in ("policy_loss", "kl", "entropy", "clip_fraction")},
-                "stage_seconds": sum(m.wall_s for m in made),
-            }
-        )
-        version = update.parents[POLICY]
-    return rows[::-1]
+        made_by_iteration.append(made)
+        version = made[0].parents[POLICY]
+    return made_by_iteration[::-1]
+
+
+def iteration_row(made: list[Manifest]) -> dict[str, Any]:
+    """One iteration's row of the report, from the versions it made (iteration_versions)."""
+    update, rewards = made[0], next(m for m in made if m.stage == "assign-rewards")
+    return {
+        "iteration": update.iteration,
+        "policy": update.parents[POLICY],
+        **rewards.metrics,
+        **{k: v for k, v in update.metrics.items() if k in ("policy_loss", "kl", "entropy", "clip_fraction")},
+        "stage_seconds": sum(m.wall_s for m in made),
+    }
+
+
+def iterations(store: Store, policy_version: str | None = None) -> list[dict[str, Any]]:
+    """One row per iteration of the lineage ending at `policy_version` (default: the newest)."""
+    return [iteration_row(made) for made in iteration_versions(store, policy_version)]
 
 
 def table(rows: list[dict[str, Any]]) -> str:

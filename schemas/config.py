@@ -517,6 +517,52 @@ class RunnerConfig(Section):
     )
 
 
+TrackerName = Literal["tensorboard", "mlflow", "wandb", "trackio"]
+
+
+class TrackingConfig(Section):
+    """Experiment trackers that each iteration's metrics, stage times, data counts and a few sample
+    trajectories are copied to (pipeline/tracking.py, docs/tracking.md). The store stays the record:
+    no stage reads these fields, so they are part of no version, and a tracker that fails warns once
+    and the run goes on without it."""
+
+    backends: list[TrackerName] = Field(
+        default_factory=list,
+        description="Trackers to log to: any of tensorboard, mlflow, wandb, trackio (the `tracking` extra installs "
+        "them). [] = none: nothing is logged and no tracker library is imported.",
+    )
+    project: str = Field(
+        "mtrl", min_length=1, description="Project (MLflow: experiment) the tracker run is filed under."
+    )
+    mlflow_uri: str | None = Field(
+        None,
+        description="MLflow tracking server URL (e.g. http://mlflow-host:5000); null = a local SQLite store, "
+        "mlflow.db in tracking.dir.",
+    )
+    dir: Path | None = Field(
+        None,
+        description="Where the trackers' local files go (TensorBoard events, W&B run files, the trackio and MLflow "
+        "stores) and the record of what each tracker logged (what a resumed run continues); null = "
+        "<store.runs_dir>/tracking.",
+    )
+    trajectories: int = Field(
+        4, ge=0, le=1000, description="Sample rollouts per iteration in the trajectory table; 0 = no table."
+    )
+    timeout_s: float = Field(
+        15.0,
+        gt=0,
+        le=600,
+        description="Longest wait for the trackers after an iteration (and at exit); a tracker that has not "
+        "answered by then, or failed, warns once and is not used again by this process.",
+    )
+
+    @model_validator(mode="after")
+    def _each_backend_once(self) -> TrackingConfig:
+        if len(set(self.backends)) < len(self.backends):
+            raise ValueError(f"tracking.backends lists a tracker twice: {self.backends}")
+        return self
+
+
 class RunConfig(Section):
     """Everything one training run needs: `mtrl run --help` lists its CLI flags, `mtrl config` every field."""
 
@@ -535,6 +581,7 @@ class RunConfig(Section):
     audit: AuditConfig = AuditConfig()
     store: StoreConfig = StoreConfig()
     runner: RunnerConfig = RunnerConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     @model_validator(mode="after")
     def _training_nodes_have_a_cluster(self) -> RunConfig:

@@ -19,12 +19,12 @@ prefect_settings.configure(_PREFECT_HOME)  # telemetry off, no progress bars, no
 
 # `make test` runs the tests on two processes (pytest-xdist), each test wherever a worker is free,
 # except the modules below, whose tests stay on one worker: they share a costly module fixture (a
-# vLLM server, a Ray cluster, an uninterrupted reference run, two played iterations: made once, not
+# vLLM server, a Ray cluster, an uninterrupted reference run, two played iterations, a tracked run: made once, not
 # once per worker), or
 # they look at every process of the machine (an MCP server a run left over), where another
 # worker's processes must not show. They go first, the longest first, so that the other worker
 # takes the rest meanwhile.
-ONE_WORKER_MODULES = ("test_vllm", "test_distributed", "test_resume", "test_mcp", "test_turn_state")
+ONE_WORKER_MODULES = ("test_vllm", "test_distributed", "test_resume", "test_mcp", "test_turn_state", "test_tracking")
 
 
 def pytest_collection_modifyitems(items):
