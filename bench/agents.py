@@ -14,8 +14,7 @@ whether the demo learns through the agent. One invocation, everything in one pro
     Endpoint on the same policy, first sampled (each request's render time: `record.next_call`),
     then sent again, identical: a retry is answered from the record without the model, so its
     round trip is the endpoint's cost alone: over httpx (one kept-alive connection) and through an
-    openai.AsyncOpenAI per rollout (as agents call), with the endpoint's sockets as they are and
-    with TCP_NODELAY (http.server's disable_nagle_algorithm, set on the replay's server only).
+    openai.AsyncOpenAI per rollout (as agents call).
     The fixed costs of an agent iteration: the agents' process
     (`python stages/generate_rollouts/agents/child.py` with no rollout) and an openai.AsyncOpenAI per rollout
     (what AgentRollout.client builds), against clients sharing one httpx client.
@@ -313,8 +312,7 @@ def replay_endpoint(
     """The captured requests of iteration 0, one at a time against a fresh Endpoint on iteration 0's
     policy: first sampled (their render times), then sent again, identical (answered from the
     record: the round trip without the model), over httpx and through an openai.AsyncOpenAI per
-    rollout (as agents call), each on a kept-alive connection (a warm-up request first), with the
-    endpoint's sockets as they are and with TCP_NODELAY."""
+    rollout (as agents call), each on a kept-alive connection (a warm-up request first)."""
     import httpx
     import openai
 
@@ -382,10 +380,6 @@ def replay_endpoint(
         calls_made = sum(len(record.calls) for record in records.values())
         over_httpx("httpx")
         asyncio.run(through_openai("openai"))
-        # http.server's disable_nagle_algorithm: TCP_NODELAY on the connections accepted from now on
-        endpoint.server.RequestHandlerClass.disable_nagle_algorithm = True
-        over_httpx("httpx_nodelay")
-        asyncio.run(through_openai("openai_nodelay"))
         sampled_again = sum(len(record.calls) for record in records.values()) - calls_made
     return {
         "requests": len(requests),
@@ -396,8 +390,6 @@ def replay_endpoint(
         "retried_round_trip_ms": {
             "httpx": summary(passes["httpx"], 1000),
             "async_openai_client": summary(passes["openai"], 1000),
-            "httpx_server_tcp_nodelay": summary(passes["httpx_nodelay"], 1000),
-            "async_openai_client_server_tcp_nodelay": summary(passes["openai_nodelay"], 1000),
         },
         "retries_sampled_again": sampled_again,  # 0: every retry was answered from the record
     }
