@@ -16,10 +16,11 @@ export HF_HUB_OFFLINE := 1
 
 .PHONY: setup browser demo test test-fast lint clean
 
-setup: browser $(VENV)/.installed $(VLLM_VENV)/.installed $(VERIFIERS_VENV)/.installed
+setup: $(VENV)/.installed $(VLLM_VENV)/.installed $(VERIFIERS_VENV)/.installed
 
-# `mtrl view`'s tests (tests/test_viewer.py) drive a real headless Chromium: Debian's package, installed
-# when it is missing, we are root and apt-get exists; otherwise this says how (the tests fail without it).
+# `mtrl view`'s tests (tests/test_viewer.py) drive a real headless Chromium: Debian's package, installed by
+# `make test` (never by `make demo`, which changes nothing outside the checkout) when it is missing, we are
+# root and apt-get exists; otherwise this says how (the tests fail without it).
 browser:
 	@if [ -x /usr/bin/chromium ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -60,12 +61,12 @@ demo: setup
 
 # Everything, the slow tests too (real Prefect servers, Ray, vLLM, torchrun, learning curves): what CI runs.
 # Two pytest processes (pytest-xdist); tests/conftest.py keeps the modules that must stay together on one.
-test: setup
+test: setup browser
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n 2
 
 # The inner loop: the tests not marked slow.
-test-fast: setup
+test-fast: setup browser
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n 2 -m "not slow"
 
