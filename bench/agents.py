@@ -2,7 +2,8 @@
 whether the demo learns through the agent. One invocation, everything in one process:
 
     python bench/agents.py [--iterations 10] [--rollouts 64] [--guess-rollouts 64] [--slow-repeats 2]
-                           [--no-native-default-workers] [--parts demo,slow]
+                           [--no-native-default-workers] [--parts demo,slow,scale]
+                           [--scale-rollouts 1024,4096] [--sync-rollouts 1024]
                            [--out bench/results/agents_cpu.json]
 
 (i) The demo (the default config: calculator, 64 rollouts in groups of 8, 10 iterations, the hf
@@ -31,6 +32,13 @@ whether the demo learns through the agent. One invocation, everything in one pro
     (lock-step: the sum over turns of the turn's slowest guess; on their own: the longest
     rollout's sum); and whether the two paths stored the same tokens.
 (iii) The learning curve through the agent: (i)'s runs' success rate per iteration, side by side.
+(iv) Scale: the demo's work for one iteration at `--scale-rollouts` (1,024 and 4,096) rollouts, natively
+    and through the openai-client agent, all agents at once; then `--sync-rollouts` (1,024) of a plain
+    sync agent with its own httpx.Client (bench.agent_bench_tasks:calculator_over_httpx) at
+    agent.concurrency 0 (a thread each). Reported per run: wall and rollout phase, success, failed
+    rollouts by kind (timeouts, connection errors), the endpoint's own time per chat call (the
+    handler's time less its call's wait for the engine: parsing, rendering, the reply; p50, p99) and
+    this process's peak resident set (sampled every 50 ms).
 
 The engine's work and render times are observed by wrapping HFEngine._forward, HFEngine._prefill, hf_serve.forward and
 the endpoint's next_call in this process (clock reads and a list append per call). Threads: what a
@@ -63,6 +71,7 @@ RESULTS = REPO / "bench" / "results"
 DEMO_AGENT = "examples.agents.openai_loop:agent"
 PLUGIN = "bench.agent_bench_tasks"
 GUESS_AGENT = f"{PLUGIN}:play"
+SYNC_AGENT = f"{PLUGIN}:calculator_over_httpx"
 KEY = "bench-key"
 
 
@@ -94,6 +103,7 @@ def summary(values: list[float], scale: float = 1.0, digits: int = 3) -> dict[st
         "mean": round(statistics.fmean(values) * scale, digits),
         "median": round(statistics.median(values) * scale, digits),
         "p90": round(sorted(values)[int(0.9 * (len(values) - 1))] * scale, digits),
+        "p99": round(sorted(values)[int(0.99 * (len(values) - 1))] * scale, digits),
         "min": round(min(values) * scale, digits),
         "max": round(max(values) * scale, digits),
     }
@@ -111,27 +121,27 @@ def loads() -> list[float]:
 class Probe:
     """Wraps HFEngine._forward and hf_serve.forward (each forward pass of the engine: its rows, the
     tokens it prefilled or none for a decode step, the seconds), the endpoint's next_call (render seconds),
-    run_agents (the agents' process: until its first request) and Endpoint.call (the request
+    run_agents (the agents' process: until its first request) and Scheduler.submit (the request
     bodies of the first endpoint of a run, for the replay)."""
 
     def __init__(self) -> None:
         self.engine_calls: list[dict[str, Any]] = []
         self.renders: list[float] = []
         self.agent_iterations: list[dict[str, float]] = []
-        self.bodies: dict[str, dict[str, Any]] = {}  # digest -> the request body
-        self.captured: list[tuple[int, str]] | None = None  # (rollout_id, digest) of the first endpoint
+        self.captured: list[tuple[int, dict[str, Any]]] | None = None  # (rollout_id, body) of the first endpoint
         self.capture_endpoint: Any = None
         self.first_request: float | None = None
+        self.own_call_s: list[float] = []  # per answered call: its time in the endpoint minus its wait for the engine
 
     def install(self) -> None:
         import stages.generate_rollouts as generate
         from stages.generate_rollouts import hf, hf_serve
-        from stages.generate_rollouts.agents import endpoint
+        from stages.generate_rollouts.agents import scheduler, server
 
         probe = self
-        forward, prefill, next_call = hf.HFEngine._forward, hf.HFEngine._prefill, endpoint.next_call
+        forward, prefill, next_call = hf.HFEngine._forward, hf.HFEngine._prefill, scheduler.next_call
         serving_forward = hf_serve.forward
-        run_agents, call, digest = generate.run_agents, endpoint.Endpoint.call, endpoint._digest
+        run_agents, submit = generate.run_agents, scheduler.Scheduler.submit
         prefilling = [0]  # the tokens of the prefill under way (the engine runs one forward at a time)
 
         def timed_prefill(engine, new_tokens, shared):
@@ -158,10 +168,14 @@ class Probe:
             timed(len(blocks), sum(map(len, blocks)) if prefill else 0, started)
             return logits
 
+        rendering: dict[Any, float] = {}  # the handler's task -> seconds its call's render took
+
         def timed_next_call(*args, **kwargs):
             started = time.perf_counter()
             made = next_call(*args, **kwargs)
-            probe.renders.append(time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            probe.renders.append(seconds)
+            rendering[asyncio.current_task()] = seconds  # the event loop's thread renders
             return made
 
         def timed_run_agents(*args, **kwargs):
@@ -175,37 +189,51 @@ class Probe:
             )
             return records
 
-        def recorded_call(endpoint_self, record, request_digest, request, max_tokens):
+        def recorded_submit(scheduler_self, record, body, *args, **kwargs):
             if probe.first_request is None:
                 probe.first_request = time.perf_counter()
-            if probe.captured is not None and probe.capture_endpoint in (None, endpoint_self):
-                probe.capture_endpoint = endpoint_self  # held: a later endpoint is never taken for it
-                probe.captured.append((record.start["rollout_id"], request_digest))
-            return call(endpoint_self, record, request_digest, request, max_tokens)
+            if probe.captured is not None and probe.capture_endpoint in (None, scheduler_self):
+                probe.capture_endpoint = scheduler_self  # held: a later endpoint is never taken for it
+                probe.captured.append((record.start["rollout_id"], body))
+            return submit(scheduler_self, record, body, *args, **kwargs)
 
-        def kept_digest(body):
-            made = digest(body)
-            if probe.captured is not None:  # capturing: the bodies by digest
-                probe.bodies[made] = body
-            return made
+        chat, answer = server.Handlers._chat, server.Handlers._answer
+        waited: dict[Any, float] = {}  # the handler's task -> seconds its call waited for the engine
 
+        async def timed_answer(handlers, *args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return await answer(handlers, *args, **kwargs)
+            finally:  # the wait for the engine: the answer's time less the render within it
+                task = asyncio.current_task()
+                waited[task] = time.perf_counter() - started - rendering.pop(task, 0.0)
+
+        async def timed_chat(handlers, *args, **kwargs):
+            started = time.perf_counter()
+            reply = await chat(handlers, *args, **kwargs)
+            total = time.perf_counter() - started
+            probe.own_call_s.append(total - waited.pop(asyncio.current_task(), 0.0))
+            return reply
+
+        server.Handlers._answer = timed_answer
+        server.Handlers._chat = timed_chat
         hf.HFEngine._forward = timed_forward
         hf.HFEngine._prefill = timed_prefill
         hf_serve.forward = timed_serving_forward
-        endpoint.next_call = timed_next_call
+        scheduler.next_call = timed_next_call
         generate.run_agents = timed_run_agents
-        endpoint.Endpoint.call = recorded_call
-        endpoint._digest = kept_digest
+        scheduler.Scheduler.submit = recorded_submit
 
     @contextlib.contextmanager
     def window(self) -> Iterator[dict[str, Any]]:
         """The engine calls, renders and agent iterations of the block, filled in at its end."""
-        marks = (len(self.engine_calls), len(self.renders), len(self.agent_iterations))
+        marks = (len(self.engine_calls), len(self.renders), len(self.agent_iterations), len(self.own_call_s))
         found: dict[str, Any] = {}
         yield found
         found["engine_calls"] = self.engine_calls[marks[0] :]
         found["renders"] = self.renders[marks[1] :]
         found["agent_iterations"] = self.agent_iterations[marks[2] :]
+        found["own_call_s"] = self.own_call_s[marks[3] :]
 
 
 def engine_summary(forwards: list[dict[str, Any]]) -> dict[str, Any]:
@@ -244,10 +272,30 @@ def stage_walls(found: list[dict[str, Any]]) -> dict[str, float]:
     return {stage: round(seconds, 2) for stage, seconds in sorted(walls.items())}
 
 
+def failures(runs: Path) -> dict[str, Any]:
+    """The failed rollouts of a run's generate-rollouts rows, by kind of failure (the text's start)."""
+    import datasets
+
+    texts = []
+    for folder in runs.glob("generate-rollouts/*/"):
+        rows = datasets.load_from_disk(str(folder))
+        texts += [text for text, failed in zip(rows["failure"], rows["failed"]) if failed]
+    kinds: dict[str, int] = defaultdict(int)
+    for text in texts:
+        if "did not return within" in text:
+            kinds["timeout"] += 1
+        elif "connect" in text.lower():
+            kinds["connection"] += 1
+        else:
+            kinds["other"] += 1
+    return {"failed_rows": len(texts), "by_kind": dict(kinds), "examples": sorted(set(texts))[:3]}
+
+
 def train(probe: Probe, name: str, config_fields: dict[str, Any], workdir: Path) -> dict[str, Any]:
     """rl_training with these fields in a fresh runs directory: its walls, stages, engine calls,
     metrics per iteration."""
     from pipeline.flows import rl_training
+    from runtime.memory import peak_memory
     from runtime.phases import PHASES
     from schemas.config import RunConfig
 
@@ -256,7 +304,7 @@ def train(probe: Probe, name: str, config_fields: dict[str, Any], workdir: Path)
     sections = {kind: len(PHASES.sections[kind]) for kind in ("iteration", "turn")}
     load_before = loads()
     started = time.perf_counter()
-    with probe.window() as seen:
+    with probe.window() as seen, peak_memory(interval_s=0.05) as memory:
         results = rl_training(config)
     wall = time.perf_counter() - started
     iterations = PHASES.sections["iteration"][sections["iteration"] :]
@@ -289,9 +337,13 @@ def train(probe: Probe, name: str, config_fields: dict[str, Any], workdir: Path)
         "truncation_rate": [round(m["truncation_rate"], 4) for m in metrics],
         "failed_rate": [round(m["failed_rate"], 4) for m in metrics],
         "policies": [result["policy"] for result in results],
+        "peak_rss_mb": memory["peak_rss_mb"],  # this process: mtrl's (the agents run in a child)
+        "failures": failures(runs),
     }
     if seen["renders"]:
         report["render_ms"] = summary(seen["renders"], 1000)
+    if seen["own_call_s"]:  # chat completions: the handler's time less its call's wait for the engine
+        report["endpoint_own_ms_per_call"] = summary(seen["own_call_s"], 1000)
     if seen["agent_iterations"]:
         report["agents_process"] = {
             "until_first_request_s": summary([i["until_first_request_s"] for i in seen["agent_iterations"]]),
@@ -307,7 +359,7 @@ def train(probe: Probe, name: str, config_fields: dict[str, Any], workdir: Path)
 
 
 def replay_endpoint(
-    probe: Probe, captured: list[tuple[int, str]], runs: Path, config_fields: dict[str, Any]
+    probe: Probe, captured: list[tuple[int, dict[str, Any]]], runs: Path, config_fields: dict[str, Any]
 ) -> dict[str, Any]:
     """The captured requests of iteration 0, one at a time against a fresh Endpoint on iteration 0's
     policy: first sampled (their render times), then sent again, identical (answered from the
@@ -332,7 +384,7 @@ def replay_endpoint(
     engine = open_engine(policy_dir, tokenizer, settings.engine)
     starts = rollout_starts(settings, 0)
     records = {start["rollout_id"]: RolloutRecord(start, settings.call_limit(start["task"])) for start in starts}
-    requests = [(rollout_id, probe.bodies[digest]) for rollout_id, digest in captured]
+    requests = captured
     endpoint = Endpoint(
         engine,
         tokenizer,
@@ -364,11 +416,12 @@ def replay_endpoint(
             )
             for rollout_id in records
         }
+        retry = {"x-stainless-retry-count": "1"}  # as the openai client marks a retry (its first attempt: a new call)
         for rollout_id, body in {rollout_id: body for rollout_id, body in requests}.items():
-            await clients[rollout_id].chat.completions.create(**body)  # the connection, kept alive
+            await clients[rollout_id].chat.completions.create(**body, extra_headers=retry)  # the connection, kept alive
         for rollout_id, body in requests:
             started = time.perf_counter()
-            await clients[rollout_id].chat.completions.create(**body)
+            await clients[rollout_id].chat.completions.create(**body, extra_headers=retry)
             passes[kind].append(time.perf_counter() - started)
 
     with endpoint, probe.window() as seen:
@@ -408,17 +461,15 @@ def agent_fixed_costs(rollouts: int) -> dict[str, Any]:
         "timeout_s": 1.0,
         "rollouts": [],
     }
+    from runtime.piped_process import EXITED, run_piped, start_piped
+    from stages.generate_rollouts.agents.run import CHILD
+
     starts = []
     for _ in range(3):
         started = time.perf_counter()
-        subprocess.run(
-            [sys.executable, str(REPO / "stages" / "generate_rollouts" / "agents" / "child.py")],
-            input=json.dumps(spec) + "\n",
-            text=True,
-            capture_output=True,
-            cwd=REPO,
-            check=True,
-        )
+        process = start_piped([sys.executable, CHILD], dict(os.environ), cwd=str(REPO))
+        *_, last = run_piped(process, (json.dumps(spec) + "\n").encode())
+        assert last[-1] == (EXITED, 0), last  # the empty run ended cleanly
         starts.append(time.perf_counter() - started)
     probe = (
         "import time, openai, httpx\n"
@@ -570,7 +621,9 @@ def main() -> None:
         default=True,
         help="also one native slow-guess run with runner.max_workers at its default",
     )
-    parser.add_argument("--parts", default="demo,slow", help="demo (i, iii), slow (ii)")
+    parser.add_argument("--parts", default="demo,slow,scale", help="demo (i, iii), slow (ii), scale (iv)")
+    parser.add_argument("--scale-rollouts", default="1024,4096", help="of the scale part's runs (iv)")
+    parser.add_argument("--sync-rollouts", type=int, default=1024, help="of the scale part's sync agent (iv)")
     parser.add_argument("--out", type=Path, default=RESULTS / "agents_cpu.json")
     args = parser.parse_args()
     os.chdir(REPO)  # the agents' process and the plugins import from the working directory
@@ -700,6 +753,57 @@ def main() -> None:
                 for kind, key in (("rollout_phase", "rollout_phase_s"), ("iteration", "iteration_wall_s"))
             }
         print(json.dumps({k: v for k, v in report["slow_tools"].items() if k != "runs"}, indent=2))
+
+    if "scale" in parts:
+        # imports, the policy's load and the first agents' process are paid here, by neither side's runs
+        warm_up = {"iterations": 1, "task": {"rollouts": 16}}
+        train(probe, "scale-warm-up-native", warm_up, workdir)
+        train(probe, "scale-warm-up-agent", {**warm_up, "agent": {"function": DEMO_AGENT}}, workdir)
+        runs = {}
+        for rollouts in map(int, args.scale_rollouts.split(",")):
+            work = {"iterations": 1, "task": {"rollouts": rollouts}}
+            native = train(probe, f"scale-native-{rollouts}", work, workdir)
+            agent = train(probe, f"scale-agent-{rollouts}", {**work, "agent": {"function": DEMO_AGENT}}, workdir)
+            runs[rollouts] = {
+                "native": native,
+                "agent": agent,
+                "agent_over_native": {
+                    "wall": round(agent["wall_s"] / native["wall_s"], 3),
+                    "rollout_phase": round(agent["rollout_phase_s"] / native["rollout_phase_s"], 3),
+                },
+                "same_success": native["success_rate"] == agent["success_rate"],
+            }
+        sync_work = {"iterations": 1, "task": {"rollouts": args.sync_rollouts}}
+        sync_agent = {"function": SYNC_AGENT, "concurrency": 0}  # a thread per rollout
+        sync = train(probe, f"scale-sync-{args.sync_rollouts}", {**sync_work, "agent": sync_agent}, workdir)
+        report["scale"] = {
+            "settings": {
+                "task": "calculator (the demo's work), 1 iteration, the hf engine, the embedded tiny model",
+                "agent": DEMO_AGENT,
+                "sync_agent": f"{SYNC_AGENT} at agent.concurrency 0",
+                "agent_timeout_s": "the default",
+            },
+            "openai_client_agent": {str(size): run for size, run in runs.items()},
+            "sync_httpx_agent": sync,
+        }
+        print(
+            json.dumps(
+                {
+                    **{
+                        size: {
+                            "agent_over_native": run["agent_over_native"],
+                            "same_success": run["same_success"],
+                            "failures": run["agent"]["failures"],
+                            "endpoint_own_ms_per_call": run["agent"].get("endpoint_own_ms_per_call"),
+                            "peak_rss_mb": run["agent"]["peak_rss_mb"],
+                        }
+                        for size, run in runs.items()
+                    },
+                    "sync": {key: sync.get(key) for key in ("wall_s", "failures", "endpoint_own_ms_per_call")},
+                },
+                indent=2,
+            )
+        )
 
     report["ended_at"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     report["load_average_after"] = loads()

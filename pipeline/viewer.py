@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from collections import defaultdict
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -33,6 +34,13 @@ DATA_MARK = "/*MTRL_VIEW_DATA*/"  # where page() puts the view's JSON in viewer.
 # What the viewer reads, best first: both hold every turn of an iteration with its reward;
 # compute-advantages also holds the advantages (a run stopped before it still shows its rollouts).
 TURN_STAGES = ("compute-advantages", "assign-rewards")
+# An iteration's agents' log, as stages/generate_rollouts/agents/run.py writes it: each run of the
+# iteration's agents starts with a line of its own (a resumed run appends one), and the agents' process
+# tags a rollout's lines (agents/child.py); what its subprocesses write is untagged.
+AGENTS_LOG = "logs/agents-{iteration}.log"
+AGENTS_LOG_START = "=== agents of iteration "
+AGENTS_LOG_LINE = re.compile(r"\[rollout (\d+)\] (.*)")
+LOG_LINES_SHOWN = 200  # a rollout's last lines: a chatty agent's page stays light
 
 
 def iteration_sources(store: Store) -> dict[int, Manifest]:
@@ -55,6 +63,21 @@ def _number(value: float | None) -> float | None:
     return None if value is None or not math.isfinite(value) else round(float(value), 4)
 
 
+def agent_log_lines(path: Path) -> dict[int, list[str]]:
+    """Each rollout's lines in an iteration's agents' log, their tag taken off, from the log's last run
+    of the iteration's agents (the one whose rows a resumed run stored); {} without a log."""
+    found: dict[int, list[str]] = defaultdict(list)
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8", errors="replace") as log:
+        for line in log:
+            if line.startswith(AGENTS_LOG_START):
+                found.clear()
+            elif tagged := AGENTS_LOG_LINE.match(line):
+                found[int(tagged[1])].append(tagged[2])
+    return dict(found)
+
+
 def iteration_view(store: Store, iteration: int | None = None) -> dict[str, Any]:
     """One iteration of the store (default: the last) as a JSON-able dict: its rollouts by group,
     each turn's chat (context, thinking, content, tool calls, what the environment or the agent
@@ -73,6 +96,8 @@ def iteration_view(store: Store, iteration: int | None = None) -> dict[str, Any]
     columns = turns.to_dict()
     has_advantages = "advantages" in columns
 
+    agents_log = store.root / AGENTS_LOG.format(iteration=iteration)
+    logged = agent_log_lines(agents_log)
     token_text: dict[str, str] = {}
     by_group: dict[int, list[dict[str, Any]]] = defaultdict(list)
     group_tasks: dict[int, dict[str, Any]] = {}
@@ -129,6 +154,9 @@ def iteration_view(store: Store, iteration: int | None = None) -> dict[str, Any]
                 "failure": next((columns["failure"][row] for row in rollout.rows if columns["failure"][row]), None),
                 "segments": len(rollout.segment_starts),
                 "turns": shown_turns,
+                # what its agent printed and logged (the agents' log, by its tag): the last lines, and how many
+                "log": logged.get(rollout.rollout_id, [])[-LOG_LINES_SHOWN:],
+                "log_lines": len(logged.get(rollout.rollout_id, [])),
             }
         )
 
@@ -139,6 +167,7 @@ def iteration_view(store: Store, iteration: int | None = None) -> dict[str, Any]
     return {
         "runs_dir": str(store.root),
         "iteration": iteration,
+        "agents_log": str(agents_log) if agents_log.is_file() else None,
         "iterations": list(sources),
         "source": f"{manifest.stage}/{manifest.version}",
         "policy": policy,

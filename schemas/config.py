@@ -106,6 +106,12 @@ class GenerationConfig(Section):
         4096, ge=16, description="Token budget of a whole rollout (prompt, turns, observations); beyond it: truncated."
     )
     enable_thinking: bool = Field(True, description="Chat template flag; false pre-fills an empty <think> block.")
+    kept_kv_mb: float = Field(
+        4096.0,
+        ge=0.0,
+        description="MB of KV cache the hf engine keeps for the rollouts between an agent's calls; past it the least "
+        "recently used rollouts' are dropped and computed again at their next call (slower, the same bytes).",
+    )
 
     @model_validator(mode="after")
     def _a_turn_fits_the_context(self) -> GenerationConfig:
@@ -230,9 +236,23 @@ class AgentConfig(Section):
         "AgentRollout (task, base_url, api_key, model, client); it returns the reward, or None for the task's "
         "reward of its final answer. null = the native loop.",
     )
-    concurrency: int = Field(0, ge=0, description="Rollouts whose agents run at once; 0 = all of the iteration's.")
+    concurrency: int = Field(
+        0,
+        ge=0,
+        description="Rollouts whose agents run at once (a sync agent each in a thread of its own), in each agents' "
+        "process (with runner ray: each Ray task's); 0 = all of its rollouts.",
+    )
+    python: str | None = Field(
+        None,
+        description="The Python that runs the agents (a path, e.g. .venv-agent/bin/python, or a command on PATH): "
+        "an environment of the agent's own, with its own pins; it needs only the agent's own packages. "
+        "null = mtrl's own.",
+    )
     timeout_s: float = Field(
-        300.0, gt=0, description="Deadline of one rollout's agent: past it the rollout fails, the run goes on."
+        300.0,
+        gt=0,
+        description="Deadline of one rollout's agent, from when it starts (not while it waits for a slot): past it "
+        "the rollout fails, the run goes on.",
     )
     max_calls: int | None = Field(
         None,
@@ -240,6 +260,39 @@ class AgentConfig(Section):
         description="Model calls per rollout; null = the task's turn limit. The next call is refused "
         "and the rollout cut at the limit (max_turns).",
     )
+    runner: Literal["local", "ray"] = Field(
+        "local",
+        description="Where the agents run: local = one agents' process on this machine; ray = the rollouts split "
+        "over ray_tasks Ray tasks on the nodes of the cluster at runner.ray_address that have ray_resources, each "
+        "running its shard's agents in an agents' process on its node (docs/agents.md, Agents on other machines).",
+    )
+    host: str = Field(
+        "127.0.0.1",
+        description="The address the endpoint binds. 127.0.0.1 is reached from this machine only (with runner ray: "
+        "nodes on other machines cannot reach it); 0.0.0.0 binds every interface, and the agents are given this "
+        "node's address as Ray sees it. The run's key guards the endpoint.",
+    )
+    ray_resources: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 1.0},
+        description="With runner ray: the Ray resources each agents' task asks for, exactly (CPU, GPU and memory "
+        "included: none unless named). A custom resource that only the agents' nodes have (ray start --resources "
+        "'{\"agents\": 8}') pins the agents to those nodes.",
+    )
+    ray_tasks: int = Field(
+        1,
+        ge=1,
+        le=4096,
+        description="With runner ray: Ray tasks that share an iteration's rollouts, in contiguous shards, spread over "
+        "the nodes with ray_resources; each runs its shard's agents in one agents' process (concurrency applies to "
+        "each). A task whose worker dies fails only its shard's rollouts.",
+    )
+
+    @model_validator(mode="after")
+    def _ray_resources_are_amounts(self) -> AgentConfig:
+        negative = {name: amount for name, amount in self.ray_resources.items() if amount < 0}
+        if negative:
+            raise ValueError(f"agent.ray_resources: amounts cannot be negative: {negative}")
+        return self
 
 
 class RewardConfig(Section):
@@ -582,6 +635,15 @@ class RunConfig(Section):
     store: StoreConfig = StoreConfig()
     runner: RunnerConfig = RunnerConfig()
     tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _agents_on_ray_have_a_cluster(self) -> RunConfig:
+        if self.agent.runner == "ray" and not self.runner.ray_address:
+            raise ValueError(
+                "agent.runner ray runs the agents on the nodes of a Ray cluster: set runner.ray_address (e.g. auto on "
+                "a node of a cluster started with `ray start`, or HEAD_IP:6379)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _training_nodes_have_a_cluster(self) -> RunConfig:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import warnings
 
 import pytest
@@ -246,9 +247,10 @@ class RecordingHandler(logging.Handler):
 
 def serve_in_order(engine, arrivals, follow_up):
     """engine.serve() with requests arriving at given steps (step -> requests); `follow_up(request,
-    completion)` may return a request that arrives at the next step (an agent calling again at once).
+    completion)` may return a request that arrives at the next step (an agent calling again at once), or
+    (request, steps) for one that arrives that many steps later (an agent's tool taking its time).
     Returns [(step given, request, completion)] and the forward passes [(step, rows, most new tokens)]."""
-    arrivals = dict(arrivals)
+    arrivals = {step: list(requests) for step, requests in arrivals.items()}
     step, given, by_tag, widths = 0, [], {}, []
 
     def take(idle):
@@ -265,7 +267,8 @@ def serve_in_order(engine, arrivals, follow_up):
         given.append((step, by_tag[tag], completion))
         again = follow_up(by_tag[tag], completion)
         if again is not None:
-            arrivals[step] = [again]
+            request, later = again if isinstance(again, tuple) else (again, 0)
+            arrivals.setdefault(step + later, []).append(request)
 
     forward = hf_serve.forward
 
@@ -328,17 +331,97 @@ def test_serve_batches_continuously_and_a_row_samples_the_same_bytes_whatever_sh
 
 def test_a_prefill_gives_the_same_bytes_alone_or_beside_longer_ones(tiny):
     """A call adding one token, prefilled alone or in a block beside calls adding more: the same logits
-    to the last bit (a block is at least two tokens wide: attention's matmuls then see four rows)."""
+    to the last bit (a block is at least two tokens wide: row_attention tells it from a decode step)."""
     model, tokenizer = tiny
     prompt = tokenizer.encode("<|im_start|>user\nEvaluate 3*5.<|im_end|>\n<|im_start|>assistant\n")
     other = tokenizer.encode("<|im_start|>user\nEvaluate 12*12 please.<|im_end|>\n<|im_start|>assistant\n")
     pad = tokenizer.pad_token_id
     with torch.no_grad(), hf_serve.batch_invariant(model):
-        kept = {}
+        kept = hf_serve.KeptRows(None)
         for key, tokens in ((0, prompt), (1, other[:-9])):  # each rollout's row after a first call
-            kept[key] = (tokens, hf_serve.admit(model, [Request(key, tokens, 1, 4)], {}, pad)[0].row(0))
+            cache, _, passes = hf_serve.admit(model, [Request(key, tokens, 1, 4)], kept, pad)
+            kept.keep(key, hf_serve.KeptRow(tokens, passes[0], cache.row(0)))
         one_more = Request(0, prompt + [7], 2, 4)  # one token after its kept row
         nine_more = Request(1, other, 3, 4)  # nine tokens after its kept row
-        _, alone = hf_serve.admit(model, [one_more], kept, pad)
-        _, together = hf_serve.admit(model, [nine_more, one_more], kept, pad)
+        _, alone, _ = hf_serve.admit(model, [one_more], kept, pad)
+        _, together, _ = hf_serve.admit(model, [nine_more, one_more], kept, pad)
     assert torch.equal(alone[0], together[1])
+
+
+class RandomAgents:
+    """A seeded schedule of agents' calls for serve_in_order: `rollouts` rollouts in groups of 1-4 sharing
+    a prompt of 15 to 500 tokens, each group's first calls arriving together at a random step of the
+    first 12; each call's agent calls again after 0-4 steps (its tool), up to 3 calls, each call at most
+    2-8 new tokens. Every choice is a function of the rollout and its call, not of the order the calls
+    end in, so a rollout served alone makes the same calls."""
+
+    FOLLOW = "\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n"
+
+    def __init__(self, tokenizer, rollouts: int, seed: int):
+        self.seed, self.follow = seed, tokenizer.encode(self.FOLLOW)
+        draw = random.Random(seed)
+        self.first: list[Request] = []
+        self.arrivals: dict[int, list[Request]] = {}
+        while len(self.first) < rollouts:
+            a, b, steps = draw.randint(2, 99), draw.randint(2, 99), draw.choice([0, 2, 10, 40, 60])
+            prompt = tokenizer.encode(
+                f"<|im_start|>user\nEvaluate {a}*{b}.{' Show the steps.' * steps}<|im_end|>\n<|im_start|>assistant\n"
+            )
+            size = min(draw.randint(1, 4), rollouts - len(self.first))
+            group = [self.call(len(self.first) + i, prompt, 0) for i in range(size)]
+            self.first += group
+            self.arrivals.setdefault(draw.randrange(12), []).extend(group)
+        self.calls_of = {request.seed: 0 for request in self.first}  # a call's seed -> its index in its rollout
+
+    def choice(self, key: int, call: int) -> random.Random:
+        return random.Random(f"{self.seed}/{key}/{call}")
+
+    def call(self, key: int, context: list[int], index: int) -> Request:
+        budget = self.choice(key, index).randint(2, 8)
+        return Request(key, context, sampling_seed(self.seed, 0, key, index), budget)
+
+    def follow_up(self, request: Request, completion) -> tuple[Request, int] | None:
+        index = self.calls_of[request.seed] + 1
+        if index > self.choice(request.key, 0).randint(0, 2):
+            return None
+        again = self.call(request.key, request.token_ids + completion.token_ids + self.follow, index)
+        self.calls_of[again.seed] = index
+        return again, self.choice(request.key, index).randint(0, 4)
+
+
+def test_calls_meeting_in_random_batches_give_the_bytes_their_rollout_gives_served_alone(tiny):
+    """40 rollouts' calls (RandomAgents) meet in batches of 1 to 30-odd rows, join while others decode,
+    share a cache with rows of 15 to 530 tokens: every call samples exactly the bytes (tokens and
+    logprobs) it samples when its rollout is served alone, call after call. On the rules before this
+    test (linear layers on at least 4 rows, attention over the whole cache width in one matmul) the
+    logprobs of most calls differed in their last bits."""
+    model, tokenizer = tiny
+    eos = eos_token_ids(tokenizer, model)
+    agents = RandomAgents(tokenizer, 40, seed=11)
+    engine = HFEngine(model, tokenizer.pad_token_id, eos, tokenizer.decode)
+    given, passes = serve_in_order(engine, agents.arrivals, agents.follow_up)
+    assert len({request.key for _, request, _ in given}) == 40 and len(given) > 60
+    decode_rows = [rows for _, rows, width in passes if width == 1]
+    assert min(decode_rows) < 6 and max(decode_rows) > 16  # the GEMMs' row counts crossed their thresholds
+    assert max(len(request.token_ids) for request in agents.first) > 400  # rows past 384 columns
+    for request in agents.first:
+        engine = HFEngine(model, tokenizer.pad_token_id, eos, tokenizer.decode)
+        alone, _ = serve_in_order(engine, {0: [request]}, agents.follow_up)
+        batched = [(r.token_ids, c) for _, r, c in given if r.key == request.key]
+        assert [(r.token_ids, c) for _, r, c in alone] == batched, request.key  # tokens and logprobs, exactly
+
+
+def test_a_kept_kv_budget_that_drops_rows_changes_no_byte(tiny):
+    """With a budget of 0.25 MB for the kept rows (a row here takes 30 kB to 1.2 MB) the rows least recently
+    used lose their keys and values, and their next call computes them again (a replay: more forward
+    passes): every call gives the bytes it gives with no bound."""
+    model, tokenizer = tiny
+    eos = eos_token_ids(tokenizer, model)
+    agents = RandomAgents(tokenizer, 16, seed=5)
+    served = {}
+    for budget in (None, 0.25):
+        engine = HFEngine(model, tokenizer.pad_token_id, eos, tokenizer.decode, kept_kv_mb=budget)
+        served[budget] = serve_in_order(engine, agents.arrivals, agents.follow_up)
+    (unbounded, unbounded_passes), (bounded, bounded_passes) = served[None], served[0.25]
+    assert len(bounded_passes) > len(unbounded_passes)  # rows were replayed
+    assert [(r.token_ids, c) for _, r, c in bounded] == [(r.token_ids, c) for _, r, c in unbounded]

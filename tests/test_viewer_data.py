@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.models import EMBEDDED_POLICY
 from pipeline.store import Store
-from pipeline.viewer import DATA_MARK, PAGE, iteration_view, page
+from pipeline.viewer import DATA_MARK, LOG_LINES_SHOWN, PAGE, iteration_view, page
 from schemas.features import AGENT_STATE, COMPUTE_ADVANTAGES, GENERATE_ROLLOUTS, dataset_from_rows
 from schemas.manifest import StoreError
 from schemas.stage import POLICY
@@ -21,6 +21,7 @@ from stages.policy.loading import load_tokenizer
 MARKUP = "<img src=x onerror=alert(1)> 2+2 is 4"  # what a model may write: shown as text, never parsed
 TOOL_RESULT = "</script><b>4</b>"
 FAILURE = "the agent raised RuntimeError: boom <i>here</i>"
+LOG_MARKUP = "<b>printed</b> by the agent"
 
 
 def _turn(tokenizer, rollout_id: int, turn: int, content: str, advantage: float, **row) -> dict:
@@ -55,7 +56,7 @@ def hand_built_store(root: Path) -> Store:
     """A store of one iteration written by hand, no model run: a policy (the embedded model's tokenizer),
     a generate-rollouts version naming it, and a compute-advantages version of one group: rollout 0
     native, its text markup; rollout 1 an agent's, two segments, a tool result of markup; rollout 2
-    failed."""
+    failed. The iteration's agents' log (agents_log_text) has lines of rollouts 1 and 2."""
     store = Store(root)
     tokenizer = load_tokenizer(EMBEDDED_POLICY)
 
@@ -94,7 +95,28 @@ def hand_built_store(root: Path) -> Store:
     dataset = dataset_from_rows(rows, COMPUTE_ADVANTAGES)
     manifest = {"parents": {"generate-rollouts": "g0"}, "iteration": 0, "config": {"advantage": {"estimator": "grpo"}}}
     store.write_dataset("compute-advantages", "c0", dataset, manifest, COMPUTE_ADVANTAGES)
+    (root / "logs").mkdir()
+    (root / "logs" / "agents-0.log").write_text(agents_log_text())
     return store
+
+
+def agents_log_text() -> str:
+    """An agents' log as stages/generate_rollouts/agents/run.py and child.py write it: two runs of
+    iteration 0's agents (the first interrupted: a resumed run appends), tagged lines and untagged ones."""
+    return "\n".join(
+        [
+            "=== agents of iteration 0: process 10 of /usr/bin/python3, 2026-11-28 10:00:00 ===",
+            "[rollout 1] a line of the interrupted run",
+            "=== agents of iteration 0: process 11 of /usr/bin/python3, 2026-11-28 10:05:00 ===",
+            "[rollout 1] hello",
+            "a subprocess's line: untagged",
+            f"[rollout 1] {LOG_MARKUP}",
+            "[rollout 12] a line of another rollout",
+            "[rollout 1]without the tag's space: not the rollout's",
+            *(f"[rollout 2] line {n}" for n in range(LOG_LINES_SHOWN + 5)),
+            "",
+        ]
+    )
 
 
 def test_an_iteration_is_read_by_group_with_its_turns_tokens_segments_and_failures(tmp_path):
@@ -121,10 +143,25 @@ def test_an_iteration_is_read_by_group_with_its_turns_tokens_segments_and_failur
     assert failed["failed"] and failed["failure"] == FAILURE and failed["reward"] is None
 
 
+def test_each_rollout_shows_its_lines_of_the_agents_log_from_its_last_run(tmp_path):
+    store = hand_built_store(tmp_path)
+    view = iteration_view(store)
+    assert view["agents_log"] == str(tmp_path / "logs" / "agents-0.log")
+    native, agent, failed = view["groups"][0]["rollouts"]
+    assert (native["log"], native["log_lines"]) == ([], 0)
+    assert (agent["log"], agent["log_lines"]) == (["hello", LOG_MARKUP], 2)
+    assert failed["log_lines"] == LOG_LINES_SHOWN + 5 and len(failed["log"]) == LOG_LINES_SHOWN
+    assert failed["log"][0] == "line 5" and failed["log"][-1] == f"line {LOG_LINES_SHOWN + 4}"  # the last ones
+
+    (tmp_path / "logs" / "agents-0.log").unlink()  # a native run, or a log removed: nothing to show
+    view = iteration_view(store)
+    assert view["agents_log"] is None and all(not r["log"] for r in view["groups"][0]["rollouts"])
+
+
 def test_the_page_carries_the_view_as_json_no_text_of_the_run_can_close_its_script_element(tmp_path):
     view = iteration_view(hand_built_store(tmp_path))
     html = page(view)
-    for text in (MARKUP, TOOL_RESULT, FAILURE):
+    for text in (MARKUP, TOOL_RESULT, FAILURE, LOG_MARKUP):
         assert text not in html
     before, after = PAGE.read_text().split(DATA_MARK)
     assert html.startswith(before) and html.endswith(after)

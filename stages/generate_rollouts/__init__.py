@@ -289,6 +289,8 @@ def agent_records(
         max_context_tokens=settings.engine.max_context_tokens,
         enable_thinking=settings.enable_thinking,
         seed_of=lambda rollout_id, call: sampling_seed(settings.engine.seed, iteration, rollout_id, call),
+        runs_dir=settings.engine.runs_dir,  # the agents' log goes to its logs/ (a placement setting: not versioned)
+        iteration=iteration,
     )
 
 

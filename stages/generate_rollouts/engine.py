@@ -28,6 +28,10 @@ from schemas.stage import Settings, read
 from stages.policy.loading import Device
 
 
+def _never() -> bool:
+    return False
+
+
 @dataclass
 class Request:
     key: int  # identifies the rollout whose KV cache may be reused
@@ -35,6 +39,17 @@ class Request:
     seed: int  # seed of this turn's private generator
     max_new_tokens: int
     stop: tuple[str, ...] = ()  # stop strings (besides the EOS tokens)
+    # serve(): true once nobody waits for the completion (the agent's client went away); the engine then
+    # stops sampling it and gives back CancelledRequestError in its place
+    cancelled: Callable[[], bool] = _never
+
+
+class CancelledRequestError(Exception):
+    """What serve() gives back for a request it stopped sampling because `cancelled()` became true."""
+
+    def __init__(self, token_ids: list[int]):
+        super().__init__(f"cancelled after {len(token_ids)} sampled tokens")
+        self.token_ids = token_ids  # what it had sampled by then
 
 
 @dataclass
@@ -85,6 +100,7 @@ class EngineSettings(Settings):
     top_k: int = read("generation.top_k")
     top_p: float = read("generation.top_p")
     max_context_tokens: int = read("generation.max_context_tokens")
+    kept_kv_mb: float = read("generation.kept_kv_mb", placement=True)  # the same bytes with any budget
     seed: int = read("seed")
     vllm: VLLMServerSettings
     runs_dir: str = read("store.runs_dir", placement=True)  # a vLLM server's log and checkpoint views
@@ -130,7 +146,8 @@ class GenerationEngine(Protocol):
         """Serve requests as they arrive (the agents' endpoint): `take(idle)` returns the tagged requests
         waiting now, blocking for some when the engine is `idle` (serving none), or None to stop; each
         completion (or the exception that failed it) goes to `give(tag, ...)` as soon as it is done, not
-        when the others are: a request never waits for another's completion to end."""
+        when the others are: a request never waits for another's completion to end. A request whose
+        `cancelled()` becomes true is dropped as soon as the engine sees it, given back as CancelledRequestError."""
         ...
 
     def close(self) -> None:

@@ -45,6 +45,7 @@ class HFEngine:
         pad_token_id: int,
         eos_token_ids: Sequence[int],
         decode: Callable[[list[int]], str] | None = None,
+        kept_kv_mb: float | None = None,
     ):
         self.model = model.eval()
         self.device = next(model.parameters()).device
@@ -52,12 +53,14 @@ class HFEngine:
         self.eos_token_ids = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=self.device)
         self.decode = decode  # token ids -> text: needed only for stop strings
         self.max_model_len = getattr(model.config, "max_position_embeddings", None) or 10**9
+        self.kept_kv_mb = kept_kv_mb  # serve(): the rollouts' kept KV rows hold at most this (None: no bound)
         self.reset()
 
     @classmethod
     def open(cls, model_dir: str | Path, tokenizer: Any, settings: EngineSettings) -> HFEngine:
         model = load_model(model_dir, settings.dtype, settings.device)
-        return cls(model, tokenizer.pad_token_id, eos_token_ids(tokenizer, model), tokenizer.decode)
+        eos = eos_token_ids(tokenizer, model)
+        return cls(model, tokenizer.pad_token_id, eos, tokenizer.decode, kept_kv_mb=settings.kept_kv_mb)
 
     reloads_in_place = False  # loading the checkpoint is what opening costs
 
@@ -80,7 +83,8 @@ class HFEngine:
         """The agents' calls as they come: continuous, batch-invariant batching (hf_serve.py)."""
         self.reset()  # serve() keeps its own cache; the turns' cache would not continue after it
         eos = set(self.eos_token_ids.tolist())
-        serve_continuously(self.model, self.pad_token_id, eos, self.decode, take, give, sampling)
+        kept_bytes = None if self.kept_kv_mb is None else self.kept_kv_mb * 2**20
+        serve_continuously(self.model, self.pad_token_id, eos, self.decode, take, give, sampling, kept_bytes)
 
     def generate(
         self,

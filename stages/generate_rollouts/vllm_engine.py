@@ -42,7 +42,15 @@ import datasets
 from runtime.processes import free_port
 from runtime.vllm_server import EngineError, VLLMServer, vllm_python, vllm_version
 from schemas.features import FinishReason
-from stages.generate_rollouts.engine import ENGINES, Completion, EngineSettings, Generation, Request, Sampling
+from stages.generate_rollouts.engine import (
+    ENGINES,
+    CancelledRequestError,
+    Completion,
+    EngineSettings,
+    Generation,
+    Request,
+    Sampling,
+)
 from stages.policy.loading import eos_token_ids, rescore_tolerance
 
 SERVED_MODEL_NAME = "policy"
@@ -283,9 +291,13 @@ class VLLMEngine:
         give: Callable[[Any, Completion | Exception], None],
         sampling: Sampling,
     ) -> None:
-        """Each request is sent as it arrives: the server batches them continuously itself."""
+        """Each request is sent as it arrives: the server batches them continuously itself. One cancelled
+        before it is sent is dropped; one already sent runs to its end (its reply is then dropped)."""
 
         def answer(tag: Any, request: Request) -> None:
+            if request.cancelled():
+                give(tag, CancelledRequestError([]))
+                return
             try:
                 outcome: Completion | Exception = self.complete(request, sampling)
             except Exception as exc:  # this request fails, not the others

@@ -18,6 +18,7 @@ execute-tools and assign-rewards stay functions of their stored inputs and re-ru
 from __future__ import annotations
 
 import functools
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -32,8 +33,15 @@ from schemas.stage import Settings, read
 class AgentSettings(Settings):
     function: str | None = read("agent.function")  # MODULE:FUNCTION, or None: the native loop
     concurrency: int = read("agent.concurrency", placement=True)
+    python: str | None = read("agent.python", placement=True)  # the agents' interpreter: where they run
     timeout_s: float = read("agent.timeout_s")  # a hung agent fails its rollout: it shapes the rows
     max_calls: int | None = read("agent.max_calls")
+    # Where the agents run (docs/agents.md, Agents on other machines): not what they compute
+    runner: str = read("agent.runner", placement=True)
+    host: str = read("agent.host", placement=True)  # the address the endpoint binds
+    ray_resources: dict[str, float] = read("agent.ray_resources", placement=True)
+    ray_tasks: int = read("agent.ray_tasks", placement=True)
+    ray_address: str | None = read("runner.ray_address", placement=True)
 
     @computed_field  # type: ignore[prop-decorator]
     @functools.cached_property
@@ -60,7 +68,24 @@ def agent_source(function: str) -> str:
         raise ValueError(f"agent.function '{function}' must be MODULE:FUNCTION, e.g. examples.agents.openai_loop:agent")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    spec = importlib.util.find_spec(module)
+    spec = _found(module)
     if spec is None or spec.origin is None:
         raise ValueError(f"agent.function '{function}': no module '{module}' (searched the working directory first)")
     return spec.origin
+
+
+def _found(module: str) -> importlib.machinery.ModuleSpec | None:
+    """The spec of a dotted module found on sys.path without running its packages' __init__ (they may
+    import what only the agent's own environment has, agent.python); one whose path no plain folder
+    holds (an installed package's own finder) is found by importing its packages."""
+    parts = module.split(".")
+    search, spec = None, None
+    for depth in range(1, len(parts) + 1):
+        spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:depth]), search)
+        if spec is None or (depth < len(parts) and spec.submodule_search_locations is None):
+            try:
+                return importlib.util.find_spec(module)
+            except ModuleNotFoundError:  # a package of its path is missing
+                return None
+        search = spec.submodule_search_locations
+    return spec

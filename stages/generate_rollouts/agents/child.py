@@ -1,26 +1,46 @@
 """The process that runs the user's agent program, one call per rollout, concurrently.
 
-    python stages/generate_rollouts/agents/child.py      (by path: its package imports torch)
+    PYTHON stages/generate_rollouts/agents/child.py OUTCOMES_FD
 
-reads one JSON object on stdin (the function, the endpoint, the rollouts, the limits) and writes one
-JSON line per rollout as its agent returns: {"rollout_id", "reward"} or {"rollout_id", "error"}. An
-agent that raises or passes its deadline fails its rollout only. The parent kills this process (and
-whatever the agents started in its process group) when the iteration's agents are done or mtrl
+Run by path (its package imports torch), by any Python: `agent.python` may name an environment of
+the agent's own, so this file needs the standard library only. It reads one JSON object on stdin
+(the function, the endpoint, the rollouts, the limits) and writes one JSON line per rollout on the
+pipe OUTCOMES_FD as its agent returns: {"rollout_id", "reward"} or {"rollout_id", "error"}. That pipe
+is its own: nothing the agents print can be read as an outcome.
+
+Its stdout and stderr are the agents' log (the parent appends them to RUNS_DIR/logs/agents-N.log).
+What the agent code writes through sys.stdout, sys.stderr or `logging` arrives in whole lines, each
+tagged with its rollout, "[rollout 7] ..." (the rollout of the asyncio task or the agent's thread that
+wrote it); what reaches file descriptors 1 and 2 otherwise (a subprocess, C code, a thread the agent
+started itself) arrives as written, untagged.
+
+An agent that raises or passes its deadline fails its rollout only. The parent kills this process
+(and whatever the agents started in its process group) when the iteration's agents are done or mtrl
 exits; a sync agent that hangs is left in its thread until then.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import fcntl
 import importlib
 import inspect
+import io
 import json
 import math
 import os
 import sys
+import threading
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO, TextIO
+
+# The rollout whose agent runs in this asyncio task or thread: each rollout's task sets it, its sync
+# agent's thread runs in a copy of the task's context, and an agent's own tasks copy it too.
+ROLLOUT: contextvars.ContextVar[int | None] = contextvars.ContextVar("rollout", default=None)
+TAG = "[rollout {}] "  # the prefix of a rollout's lines in the agents' log (pipeline/viewer.py reads it)
 
 
 @dataclass
@@ -49,6 +69,70 @@ class AgentRollout:
         return self._client
 
 
+class TaggedLines(io.TextIOBase):
+    """What sys.stdout and sys.stderr become: text written to file descriptor `fd` in whole lines,
+    each tagged with the rollout (ROLLOUT) that wrote it. A line in progress waits for its end apart
+    for each rollout, so concurrent agents' lines never mix; both streams share `lock` (they go to
+    one pipe, and one line is one write)."""
+
+    def __init__(self, fd: int, lock: threading.Lock) -> None:
+        super().__init__()
+        self._fd = fd
+        self._lock = lock
+        self._unfinished: dict[int | None, str] = {}
+
+    @property
+    def encoding(self) -> str:
+        return "utf-8"
+
+    @property
+    def buffer(self) -> BinaryIO:
+        """Bytes written past the text layer (some console libraries do): to the same log, untagged."""
+        return open(self._fd, "wb", buffering=0, closefd=False)
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:  # a subprocess handed sys.stdout writes to the log itself, untagged
+        return self._fd
+
+    def write(self, text: str) -> int:
+        rollout = ROLLOUT.get()
+        with self._lock:
+            *lines, rest = (self._unfinished.pop(rollout, "") + text).split("\n")
+            if rest:
+                self._unfinished[rollout] = rest
+            self._write_lines(rollout, lines)
+        return len(text)
+
+    def end(self, rollout: int | None) -> None:
+        """Write out what `rollout` left of an unfinished line (its agent is done)."""
+        with self._lock:
+            if rollout in self._unfinished:
+                self._write_lines(rollout, [self._unfinished.pop(rollout)])
+
+    def end_all(self) -> None:
+        for rollout in list(self._unfinished):
+            self.end(rollout)
+
+    def _write_lines(self, rollout: int | None, lines: list[str]) -> None:
+        tag = "" if rollout is None else TAG.format(rollout)
+        data = "".join(f"{tag}{line}\n" for line in lines).encode("utf-8", "backslashreplace")
+        while data:
+            data = data[os.write(self._fd, data) :]
+
+
+def outcome_channel(fd: int) -> TextIO:
+    """The outcomes' pipe, moved from the number the parent passed to one that no process this one
+    starts inherits (close-on-exec) and that is none of 0-2."""
+    private = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+    os.close(fd)
+    return open(private, "w", encoding="utf-8", buffering=1)  # one line per outcome, each at once
+
+
 def load_function(spec: str) -> Any:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -56,17 +140,30 @@ def load_function(spec: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-async def run_one(function: Any, rollout: AgentRollout, timeout_s: float) -> dict[str, Any]:
-    async def call() -> Any:
-        if inspect.iscoroutinefunction(function):
-            return await function(rollout)
-        return await asyncio.to_thread(function, rollout)
+async def within_deadline(function: Any, rollout: AgentRollout, timeout_s: float, pool: Any) -> Any:
+    """What the agent returns; its deadline runs from when it starts. A sync agent (`pool` given)
+    runs in a thread of the pool, in a copy of this task's context (its rollout)."""
+    if pool is None:
+        return await asyncio.wait_for(function(rollout), timeout_s)
+    loop = asyncio.get_running_loop()
+    started = loop.create_future()
 
+    def in_thread() -> Any:
+        loop.call_soon_threadsafe(started.set_result, None)
+        return function(rollout)
+
+    running = loop.run_in_executor(pool, contextvars.copy_context().run, in_thread)
+    await started
+    return await asyncio.wait_for(running, timeout_s)
+
+
+async def run_one(function: Any, rollout: AgentRollout, timeout_s: float, pool: Any) -> dict[str, Any]:
     try:
-        result = await asyncio.wait_for(call(), timeout_s)
+        result = await within_deadline(function, rollout, timeout_s, pool)
     except TimeoutError:
         return {"rollout_id": rollout.rollout_id, "error": f"the agent did not return within {timeout_s:g} s"}
     except Exception as exc:
+        traceback.print_exception(exc)  # to the log, under this rollout's tag
         last = traceback.extract_tb(exc.__traceback__)[-1]
         where = f" ({os.path.basename(last.filename)}:{last.lineno})"
         return {"rollout_id": rollout.rollout_id, "error": f"the agent raised {exc.__class__.__name__}: {exc}{where}"}
@@ -81,18 +178,32 @@ async def run_one(function: Any, rollout: AgentRollout, timeout_s: float) -> dic
     return {"rollout_id": rollout.rollout_id, "reward": reward}
 
 
-async def main(spec: dict[str, Any]) -> None:
+async def main(spec: dict[str, Any], outcomes: TextIO, streams: tuple[TaggedLines, ...]) -> None:
     function = load_function(spec["function"])
     limit = asyncio.Semaphore(spec["concurrency"])
+    # A sync agent runs in a thread of this pool. It has a thread for every rollout, so a rollout whose
+    # slot (`limit`) is free starts at once, and a thread that a hung agent keeps past its deadline
+    # never holds back the next one; threads are made as needed and reused: about `concurrency` of them.
+    pool = None
+    if not inspect.iscoroutinefunction(function):
+        pool = ThreadPoolExecutor(max_workers=max(1, len(spec["rollouts"])), thread_name_prefix="agent")
 
     async def bounded(rollout: AgentRollout) -> None:
+        ROLLOUT.set(rollout.rollout_id)  # this task's own context: its agent's lines are tagged with it
         async with limit:
-            outcome = await run_one(function, rollout, spec["timeout_s"])
-        print(json.dumps(outcome), flush=True)
+            outcome = await run_one(function, rollout, spec["timeout_s"], pool)
+        for stream in streams:
+            stream.end(rollout.rollout_id)
+        outcomes.write(json.dumps(outcome) + "\n")
 
-    import httpx  # openai's transport
-
-    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=None), timeout=None)
+    try:
+        import httpx  # openai's transport
+    except ImportError:  # an agent environment without it: the openai client cannot be in it either
+        http = None
+    else:
+        http = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None), timeout=None
+        )
     rollouts = [
         AgentRollout(
             rollout_id=start["rollout_id"],
@@ -121,8 +232,13 @@ def warm_up() -> None:
 
 if __name__ == "__main__":
     sys.path[0] = os.getcwd()  # not this file's folder: its modules would shadow the agent's (run.py, record.py)
+    outcomes = outcome_channel(int(sys.argv[1]))
+    lock = threading.Lock()
+    sys.stdout, sys.stderr = streams = (TaggedLines(1, lock), TaggedLines(2, lock))
     warm_up()
     # not asyncio.run: its clean-up waits for the threads of sync agents, and a hung one never ends
-    asyncio.new_event_loop().run_until_complete(main(json.loads(sys.stdin.readline())))
-    sys.stdout.flush()
+    asyncio.new_event_loop().run_until_complete(main(json.loads(sys.stdin.readline()), outcomes, streams))
+    for stream in streams:
+        stream.end_all()
+    outcomes.flush()
     os._exit(0)  # a sync agent still hung in its thread must not keep the process alive

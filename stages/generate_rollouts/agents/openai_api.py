@@ -1,5 +1,9 @@
 """The OpenAI wire formats the endpoint speaks: chat completions (streamed or not) and Responses in,
-chat messages out; a recorded call back as a chat completion, its stream chunks, or a Response."""
+chat messages out; a recorded call back as a chat completion, its stream chunks, or a Response.
+
+The bodies read here were validated first (protocol.py). They are read as the agent sent them, not
+as the models' dumps: the tools reach the chat template with their keys in the agent's order.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +12,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from stages.generate_rollouts.agents.record import Call, RequestError, canonical
+from stages.generate_rollouts.agents.record import Call, canonical
 
 
 def chat_request(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict] | None]:
     """The canonical messages and tools of a chat-completions body."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("'messages' must be a non-empty list")
-    return [canonical(message) for message in messages], _tools(body.get("tools"))
+    return [canonical(message) for message in body["messages"]], _tools(body.get("tools"))
 
 
 def _tools(tools: Any) -> list[dict] | None:
@@ -24,13 +25,14 @@ def _tools(tools: Any) -> list[dict] | None:
     form or the Responses form ({type: function, name, parameters})."""
     if not tools:
         return None
-    converted = []
-    for tool in tools:
-        if tool.get("type") != "function":
-            raise RequestError(f"tool type '{tool.get('type')}' is not served: only function tools")
-        function = tool.get("function") or {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
-        converted.append({"type": "function", "function": function})
-    return converted
+    return [
+        {
+            "type": "function",
+            "function": tool.get("function")
+            or {k: tool[k] for k in ("name", "description", "parameters") if k in tool},
+        }
+        for tool in tools
+    ]
 
 
 def _text(content: Any) -> str:
@@ -43,10 +45,8 @@ def responses_request(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[
     """A Responses body's input items as canonical chat messages: instructions as the system message,
     consecutive function_call items as one assistant message's tool calls, function_call_output
     items as tool messages."""
-    items = body.get("input")
+    items = body["input"]
     items = [{"role": "user", "content": items}] if isinstance(items, str) else items
-    if not isinstance(items, list) or not items:
-        raise RequestError("'input' must be a string or a non-empty list of items")
     messages: list[dict[str, Any]] = []
     if body.get("instructions"):
         messages.append({"role": "system", "content": body["instructions"]})
@@ -63,10 +63,8 @@ def responses_request(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text(item.get("output"))})
-        elif kind == "reasoning":
-            continue  # the sampled tokens hold the reasoning already
-        else:
-            raise RequestError(f"input item type '{kind}' is not served")
+        else:  # reasoning: the sampled tokens hold it already
+            continue
         if messages[-1]["role"] == "assistant" and kind == "message":
             messages[-1]["closed"] = True  # a text reply: later function calls are a new message
     for message in messages:

@@ -5,7 +5,9 @@ message the policy sampled earlier in the rollout (matched by its tool-call ids,
 stands as the tokens sampled, never as a re-tokenization of its text: the sampled text goes into the
 template between two markers, and if the template kept it verbatim the markers' span is replaced by
 the sampled tokens. While the history only grows, call k+1's context starts with call k's context
-and completion, and the rows store only the new tokens (one stream, as native turns). When it does
+and completion, and the rows store only the new tokens (one stream, as native turns); a call whose
+request adds only the last reply and tool results renders and tokenizes only those, so that a call
+costs the same at call 50 as at call 1 (next_call). When it does
 not (the agent edited or summarised its history, the template dropped an earlier <think> block or
 rewrote an assistant turn), the call starts a new segment: its whole context is stored and
 stream_offset is 0 (schemas/token_stream.py).
@@ -13,6 +15,7 @@ stream_offset is 0 (schemas/token_stream.py).
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from dataclasses import dataclass, field
@@ -24,11 +27,13 @@ from stages.hermes import parse_tool_calls, split_thinking
 
 
 class RequestError(ValueError):
-    """A request mtrl cannot serve: answered with a 4xx that says why, and its rollout fails."""
+    """A request mtrl cannot serve: answered with a 4xx (a JSON error that says why, naming the request's
+    field at fault as `param` when one is), and its rollout fails."""
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
         super().__init__(message)
         self.status = status
+        self.param = param  # e.g. "messages.2.role"
 
 
 def _marker(index: int) -> str:
@@ -55,6 +60,7 @@ class Call:
     added_messages: list[dict[str, Any]] = field(default_factory=list)  # messages the agent added after it
     done: threading.Event = field(default_factory=threading.Event)
     error: RequestError | None = None
+    rendering: Rendering | None = field(default=None, repr=False)  # the latest call's: next_call renders from it
 
 
 def canonical(message: dict[str, Any]) -> dict[str, Any]:
@@ -103,16 +109,32 @@ class RolloutRecord:
                 self.failure = message[:1000]
 
 
-def _sampled_match(message: dict[str, Any], earlier: list[Call]) -> Call | None:
-    """The earlier call whose reply this assistant message is: the same tool-call ids, or, with no
-    tool calls, the same text."""
-    ids = [call["id"] for call in message.get("tool_calls", [])]
-    for call in reversed(earlier):
-        if ids and ids == [returned["id"] for returned in call.tool_calls]:
-            return call
-        if not ids and not call.tool_calls and (message.get("content") or "").strip() == (call.reply_text or ""):
-            return call
-    return None
+Reply = tuple[Any, ...] | str  # what ties an assistant message to the call it is the reply of
+
+
+def _reply_key(message: dict[str, Any]) -> Reply:
+    """What an assistant message holds of the call it is the reply of: its tool-call ids, or, with
+    none, its text."""
+    ids = tuple(call["id"] for call in message.get("tool_calls", []))
+    return ids if ids else (message.get("content") or "").strip()
+
+
+def _call_key(call: Call) -> Reply:
+    """The same of a call's reply, as reply_of returned it."""
+    return tuple(returned["id"] for returned in call.tool_calls) if call.tool_calls else (call.reply_text or "")
+
+
+@dataclass
+class Rendering:
+    """What a call's context was rendered from, kept on the rollout's latest call so that the next
+    call of a growing history renders only what its request adds (_render_added)."""
+
+    messages: list[dict[str, Any]]  # the request's canonical messages
+    tools: list[dict] | None
+    enable_thinking: bool
+    earlier: list[Call]  # the sampled calls its assistant messages were matched against
+    replies: dict[Reply, Call | None]  # its assistant messages' _reply_key: the call they stand for, or None
+    tail: str  # its text after the last sampled turn: what the context's last tokens encode
 
 
 def render_context(
@@ -130,35 +152,138 @@ def render_context(
     is free to rewrite it (Qwen3's drops <think> blocks before the last user query). The rendered
     turn is what lies between the assistant header before the marker and the marker: when it ends
     with the sampled text, the sampled tokens stand for that text."""
+    return _render_whole(tokenizer, messages, tools, earlier, enable_thinking)[0]
+
+
+def _render_whole(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict] | None, earlier: list[Call], enable_thinking: bool
+) -> tuple[list[int], Rendering | None]:
+    """render_context's tokens, and its Rendering (None when it fell back to the plain rendering)."""
+    replies = {_call_key(call): call for call in earlier}  # in order: the latest call with a key wins
     substituted: list[tuple[Call, str]] = []
     marked = []
     for message in messages:
-        call = _sampled_match(message, earlier) if message["role"] == "assistant" else None
+        call = replies.get(_reply_key(message)) if message["role"] == "assistant" else None
         if call is None:
             marked.append(message)
             continue
-        text = tokenizer.decode(_without_eos(call.completion, tokenizer), skip_special_tokens=False)
+        text = _sampled_text(tokenizer, call)
         marked.append({"role": "assistant", "content": text + _marker(len(substituted))})
         substituted.append((call, text))
     try:
-        text = tokenizer.apply_chat_template(
-            marked, tools=tools or None, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
-        )
+        text = _template(tokenizer, marked, tools, add_generation_prompt=True, enable_thinking=enable_thinking)
     except Exception as exc:  # a template that cannot render these messages
         raise RequestError(f"the policy's chat template cannot render these messages: {exc}") from None
-    header = tokenizer.decode(generation_prompt_ids(tokenizer, True))  # an assistant turn's opening
+    header = _turn_opening(tokenizer)
     tokens: list[int] = []
     position = 0
     for index, (call, sampled_text) in enumerate(substituted):
         end = text.find(_marker(index), position)
         opening = text.rfind(header, position, end)
         if end < 0 or opening < 0 or not text[opening + len(header) : end].endswith(sampled_text):
-            return prompt_token_ids(tokenizer, messages, tools, enable_thinking)  # rewritten: plain
+            return prompt_token_ids(tokenizer, messages, tools, enable_thinking), None  # rewritten: plain
         tokens += _encode(tokenizer, text[position : end - len(sampled_text)]) + call.completion
-        position = end + len(_marker(index))
-        if call.completion[-1:] == [tokenizer.eos_token_id] and text.startswith(tokenizer.eos_token, position):
-            position += len(tokenizer.eos_token)  # the sampled tokens hold the turn's end already
-    return tokens + _encode(tokenizer, text[position:])
+        position = _after_turn(tokenizer, text, end + len(_marker(index)), call)
+    keys = {_reply_key(message) for message in messages if message["role"] == "assistant"}
+    tail = text[position:]
+    rendering = Rendering(messages, tools, enable_thinking, earlier, {key: replies.get(key) for key in keys}, tail)
+    return tokens + _encode(tokenizer, tail), rendering
+
+
+def _render_added(
+    tokenizer: Any,
+    before: Call,
+    messages: list[dict[str, Any]],
+    tools: list[dict] | None,
+    earlier: list[Call],
+    enable_thinking: bool,
+) -> tuple[list[int], Rendering] | None:
+    """_render_whole's result for a request that adds to `before`'s request only before's reply and
+    tool results, from a rendering of those alone after a stand-in user turn; None when that cannot
+    be shown.
+
+    It is shown when the request holds before's request's messages unchanged, then before's reply,
+    then tool messages; no other call was sampled since, and no earlier message holds before's
+    reply but other tokens (the whole rendering would now have it stand for before's); and the
+    reply's turn opens as before's generation prompt did and ends with its sampled text. A
+    user or system message is rendered whole: a template may rewrite the history before a new query
+    (Qwen3's drops its <think> blocks). A template that rewrote earlier turns for a reply and tool
+    results (none of the Qwen3 / ChatML family does: a turn is rendered from itself, its neighbours
+    and where the last user query is) would be shown its history as the native loop shows it:
+    appended to."""
+    known = before.rendering
+    if known is None or (known.tools, known.enable_thinking) != (tools, enable_thinking):
+        return None
+    length = len(known.messages)
+    if len(earlier) != len(known.earlier) + 1 or any(a is not b for a, b in zip(earlier, known.earlier)):
+        return None  # earlier[-1] is before: the calls sampled since its request
+    if len(messages) <= length or messages[:length] != known.messages:
+        return None  # edited, summarised, or no reply
+    reply, added = messages[length], messages[length + 1 :]
+    key = _call_key(before)
+    if reply["role"] != "assistant" or _reply_key(reply) != key:
+        return None
+    if key in known.replies and (known.replies[key] is None or known.replies[key].completion != before.completion):
+        return None  # an earlier message with this reply would now stand for before's other tokens
+    if any(message["role"] != "tool" for message in added):
+        return None
+    sampled = _sampled_text(tokenizer, before)
+    window = [*_STAND_IN, {"role": "assistant", "content": sampled + _marker(0)}, *added]
+    try:
+        text = _template(tokenizer, window, tools, add_generation_prompt=True, enable_thinking=enable_thinking)
+        stand_in, prompt = _stand_in_rendering(tokenizer, json.dumps(tools), enable_thinking)
+    except Exception:  # the whole rendering says whether and why the template fails
+        return None
+    end = text.find(_marker(0), len(stand_in))
+    if end < 0 or not text.startswith(stand_in) or text[len(stand_in) : end] != prompt + sampled:
+        return None  # the reply's turn does not open as the generation prompt did, or holds more
+    if not known.tail.endswith(prompt):
+        return None
+    # render_context's check of the reply's turn, on the whole rendering's text from before's tail on
+    turn, header = known.tail + sampled, _turn_opening(tokenizer)
+    opening = turn.rfind(header)
+    if opening < 0 or not turn[opening + len(header) :].endswith(sampled):
+        return None
+    tail = text[_after_turn(tokenizer, text, end + len(_marker(0)), before) :]
+    rendering = Rendering(messages, tools, enable_thinking, earlier, {**known.replies, key: before}, tail)
+    return before.stream + before.completion + _encode(tokenizer, tail), rendering
+
+
+# The stand-in history the added messages are rendered after (as schemas/token_stream.py renders
+# observations): a user query, so that the reply is the newest turn after it, as in the whole history.
+_STAND_IN = [{"role": "user", "content": "q"}]
+
+
+@functools.lru_cache(maxsize=64)  # per tokenizer and tools: rendered once, not at every call
+def _stand_in_rendering(tokenizer: Any, tools_json: str, enable_thinking: bool) -> tuple[str, str]:
+    """The stand-in history rendered with these tools, and the generation prompt's text after it."""
+    tools = json.loads(tools_json)
+    without = _template(tokenizer, _STAND_IN, tools, enable_thinking=enable_thinking)
+    prompted = _template(tokenizer, _STAND_IN, tools, add_generation_prompt=True, enable_thinking=enable_thinking)
+    if not prompted.startswith(without):
+        raise ValueError("the chat template's generation prompt is not an append-only suffix")
+    return without, prompted[len(without) :]
+
+
+def _template(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict] | None, **flags: Any) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, **flags)
+
+
+def _turn_opening(tokenizer: Any) -> str:
+    """An assistant turn's opening (render_context looks for it before each sampled text)."""
+    return tokenizer.decode(generation_prompt_ids(tokenizer, True))
+
+
+def _sampled_text(tokenizer: Any, call: Call) -> str:
+    return tokenizer.decode(_without_eos(call.completion, tokenizer), skip_special_tokens=False)
+
+
+def _after_turn(tokenizer: Any, text: str, position: int, call: Call) -> int:
+    """Where the text after a sampled turn's marker begins: past the EOS token, which the sampled
+    tokens hold already."""
+    if call.completion[-1:] == [tokenizer.eos_token_id] and text.startswith(tokenizer.eos_token, position):
+        return position + len(tokenizer.eos_token)
+    return position
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -179,26 +304,40 @@ def next_call(
     """The record's next call for a request: {"messages", "tools"} (canonical messages, rendered here)
     or {"token_ids"} (a client that renders itself). Its context continues the last call's segment
     when it extends it, else starts a new segment. The previous call learns what the agent added
-    after it (its observation tokens, when the stream goes on)."""
+    after it (its observation tokens, when the stream goes on).
+
+    A request that adds only the last call's reply and tool results to that call's request is rendered
+    from what it adds (_render_added): a call costs the same at call 50 as at call 1. Any other is
+    rendered whole."""
     earlier = [call for call in record.calls if call.done.is_set() and call.error is None]
     messages = request.get("messages", [])
+    before = earlier[-1] if earlier else None
+    rendering, added = None, None
     if "token_ids" in request:
         rendered = list(request["token_ids"])
     else:
-        rendered = render_context(tokenizer, messages, request.get("tools"), earlier, enable_thinking)
-    before = earlier[-1] if earlier else None
+        tools = request.get("tools")
+        if before is not None:
+            added = _render_added(tokenizer, before, messages, tools, earlier, enable_thinking)
+        rendered, rendering = added or _render_whole(tokenizer, messages, tools, earlier, enable_thinking)
     continued = before.stream + before.completion if before else None
     call = Call(index=len(record.calls), stream=rendered, context=rendered, new_segment=True, seed=seed)
+    call.rendering = rendering
     if continued is not None and len(rendered) > len(continued) and rendered[: len(continued)] == continued:
         delta = rendered[len(continued) :]
         prompt = generation_prompt_ids(tokenizer, enable_thinking)
         split = len(delta) - len(prompt) if delta[-len(prompt) :] == prompt else len(delta)
         before.observation, call.context, call.new_segment = delta[:split], delta[split:], False
     if before is not None:
-        sampled_at = next(
-            (i for i, m in enumerate(messages) if m["role"] == "assistant" and _sampled_match(m, [before])), None
-        )
+        key = _call_key(before)
+        if added is not None and key not in before.rendering.replies:  # the first message with its reply
+            sampled_at: int | None = len(before.rendering.messages)
+        else:
+            sampled_at = next(
+                (i for i, m in enumerate(messages) if m["role"] == "assistant" and _reply_key(m) == key), None
+            )
         before.added_messages = messages[sampled_at + 1 :] if sampled_at is not None else []
+        before.rendering = None  # only the latest call's is kept: a rollout holds one history, not one per call
     return call
 
 
