@@ -17,8 +17,8 @@ whether the demo learns through the agent. One invocation, everything in one pro
     round trip is the endpoint's cost alone: over httpx (one kept-alive connection) and through an
     openai.AsyncOpenAI per rollout (as agents call).
     The fixed costs of an agent iteration: the agents' process
-    (`python stages/generate_rollouts/agents/child.py` with no rollout) and an openai.AsyncOpenAI per rollout
-    (what AgentRollout.client builds), against clients sharing one httpx client.
+    (`python stages/generate_rollouts/agents/child.py` with no rollout) and an openai.AsyncOpenAI per rollout:
+    as written, on one shared httpx client, and as AgentRollout.client builds them.
 (ii) Lock-step against running alone: slow-guess (bench/agent_bench_tasks.py: guess-number whose
     `guess` tool answers after a seeded latency of 0-2 s, a function of the game and the guess),
     one iteration natively with runner.max_workers = the rollouts (every rollout's tool of a turn
@@ -273,11 +273,12 @@ def stage_walls(found: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def failures(runs: Path) -> dict[str, Any]:
-    """The failed rollouts of a run's generate-rollouts rows, by kind of failure (the text's start)."""
+    """The failed rollouts of a run, by kind of failure (the text's start): its assign-rewards rows (a
+    rollout whose agent failed has its failed row there, and often none in generate-rollouts)."""
     import datasets
 
     texts = []
-    for folder in runs.glob("generate-rollouts/*/"):
+    for folder in runs.glob("assign-rewards/*/"):
         rows = datasets.load_from_disk(str(folder))
         texts += [text for text, failed in zip(rows["failure"], rows["failed"]) if failed]
     kinds: dict[str, int] = defaultdict(int)
@@ -451,7 +452,9 @@ def replay_endpoint(
 def agent_fixed_costs(rollouts: int) -> dict[str, Any]:
     """What an agent iteration pays before its first model call: the agents' process (python
     stages/generate_rollouts/agents/child.py, importing the agent module; no rollout), and building an
-    openai.AsyncOpenAI per rollout (AgentRollout.client), against one shared httpx client."""
+    openai.AsyncOpenAI per rollout: as written (each loads a TLS context), on one shared httpx client (whose
+    pool every request then scans whole), and as AgentRollout.client does (an httpx client each, one TLS
+    context)."""
     spec = {
         "function": DEMO_AGENT,
         "base_url": "http://127.0.0.1:9",
@@ -473,24 +476,29 @@ def agent_fixed_costs(rollouts: int) -> dict[str, Any]:
         starts.append(time.perf_counter() - started)
     probe = (
         "import time, openai, httpx\n"
+        "from stages.generate_rollouts.agents.child import AgentRollout\n"
         f"n = {rollouts}\n"
+        "url = 'http://127.0.0.1:9/rollouts/{}/v1'\n"
         "t = time.perf_counter()\n"
-        "[openai.AsyncOpenAI(base_url=f'http://127.0.0.1:9/rollouts/{i}/v1', api_key='k') for i in range(n)]\n"
+        "[openai.AsyncOpenAI(base_url=url.format(i), api_key='k') for i in range(n)]\n"
         "own = time.perf_counter() - t\n"
         "t = time.perf_counter()\n"
         "shared = httpx.AsyncClient()\n"
-        "[openai.AsyncOpenAI(base_url=f'http://127.0.0.1:9/rollouts/{i}/v1', api_key='k', http_client=shared)"
-        " for i in range(n)]\n"
-        "print(own, time.perf_counter() - t)\n"
+        "[openai.AsyncOpenAI(base_url=url.format(i), api_key='k', http_client=shared) for i in range(n)]\n"
+        "one_pool = time.perf_counter() - t\n"
+        "t = time.perf_counter()\n"
+        "tls = httpx.create_ssl_context()\n"
+        "[AgentRollout(i, {}, [], [], url.format(i), 'k', 'policy', _tls=tls).client for i in range(n)]\n"
+        "print(own, one_pool, time.perf_counter() - t)\n"
     )
-    own, shared = map(
-        float, subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.split()
-    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO)
+    own, one_pool, per_rollout = map(float, done.stdout.split())
     return {
         "agents_process_empty_run_s": summary(starts),
         "clients": rollouts,
         "async_openai_clients_s": round(own, 3),
-        "async_openai_clients_one_shared_httpx_s": round(shared, 3),
+        "async_openai_clients_one_shared_httpx_s": round(one_pool, 3),
+        "agent_rollout_clients_s": round(per_rollout, 3),
     }
 
 

@@ -1,16 +1,23 @@
-"""The same agent command twice while CPU hogs keep every core busy: the load moves the agents' calls in
-time, so they meet in other batches (other row counts, other cache widths, other calls joining
-mid-decode), and the two runs store the same bytes (`mtrl diff`: 0 different). Slow: each agent's two
-runs took 1.5-2.6 minutes on 2 busy cores (6 minutes for the three)."""
+"""The same agent command twice, once on a quiet machine and once while CPU hogs keep every core busy,
+the second run SIGKILLed while its agents call (in its second iteration, after a policy was trained) and
+then run again under the hogs: the load moves the agents' calls in time, so they meet in other batches
+(other row counts, other cache widths, other calls joining mid-decode), and the resumed run stores the
+bytes of the uninterrupted one (`mtrl diff`: 0 different); the agents' process dies with mtrl. Slow:
+about 1.5 minutes per agent on 2 cores.
+
+bench/agent_determinism.py runs `kill_and_resume_under_load` at 256 rollouts per agent."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +27,11 @@ from runtime.threads import THREAD_VARIABLES
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
+AGENTS = [
+    ("examples.agents.openai_loop:agent", 32),  # the openai client's tool loop
+    ("tests.agent_programs:streams_in_sync", 16),  # a sync agent streaming every reply
+    ("tests.agent_programs:edits_history", 16),  # its second call starts a new segment
+]
 # A busy loop in bursts of 5-200 ms with pauses of up to 100 ms: it moves the calls in time more than a
 # steady loop does (measured on the rules before: two runs under steady loops on both cores were equal, under
 # these bursts 49 of 110 rows differed).
@@ -47,27 +59,87 @@ def cpu_hogs() -> Iterator[None]:
             hog.wait()
 
 
-@pytest.mark.parametrize(
-    ("function", "rollouts"),
-    [
-        ("examples.agents.openai_loop:agent", 32),
-        ("tests.agent_programs:streams_in_sync", 16),  # a sync agent streaming every reply
-        ("tests.agent_programs:edits_history", 16),  # its second call starts a new segment
-    ],
-)
-def test_an_agent_run_under_load_gives_the_same_bytes_twice(tmp_path, prefect_server_env, capsys, function, rollouts):
-    # mtrl's own thread count (every core), as a user runs it, not the one thread the tests give processes
-    env = {name: value for name, value in prefect_server_env.items() if name not in THREAD_VARIABLES}
-    runs = [tmp_path / "first", tmp_path / "second"]
+def agent_processes(parent: int) -> set[int]:
+    """The agents' processes that `parent` runs now."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            command = (entry / "cmdline").read_bytes()
+            parent_id = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"generate_rollouts/agents/child.py" in command and parent_id == parent:
+            found.add(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Is this process running (a zombie, dead but not yet reaped, is not)?"""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def kill_and_resume_under_load(function: str, rollouts: int, root: Path, env: dict[str, str]) -> dict[str, Any]:
+    """`mtrl run --agent function` for 2 iterations into root/uninterrupted; then, under cpu_hogs, the same
+    into root/resumed, SIGKILLed (its whole process group) once its second iteration's agents run, and run
+    again to the end. Returns what happened: walls, the policies written before the kill, the agents'
+    processes left 5 s after it, and the rows of the uninterrupted run."""
     command = ["--agent", function, "--rollouts", str(rollouts), "--iterations", "2"]
+    # mtrl's own thread count (every core), as a user runs it, not the one thread the tests give processes
+    env = {name: value for name, value in env.items() if name not in THREAD_VARIABLES}
+
+    def start(runs_dir: Path) -> subprocess.Popen:
+        run = [sys.executable, "-m", "pipeline.cli", "run", "--runs-dir", str(runs_dir), *command]
+        with open(runs_dir.parent / f"{runs_dir.name}.out", "ab") as output:  # the child keeps its own copy
+            return subprocess.Popen(run, env=env, cwd=ROOT, stdout=output, stderr=output, start_new_session=True)
+
+    uninterrupted, resumed = root / "uninterrupted", root / "resumed"
+    report: dict[str, Any] = {"agent": function, "rollouts": rollouts}
+    started = time.monotonic()
+    assert start(uninterrupted).wait(timeout=1800) == 0, (root / "uninterrupted.out").read_text()[-3000:]
+    report["uninterrupted_s"] = round(time.monotonic() - started, 1)
     with cpu_hogs():
-        for runs_dir in runs:
-            run = [sys.executable, "-m", "pipeline.cli", "run", "--runs-dir", str(runs_dir), *command]
-            subprocess.run(run, env=env, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    store = Store(runs[0])
+        started = time.monotonic()
+        process = start(resumed)
+        deadline, agents = time.monotonic() + 1800, set()
+        while time.monotonic() < deadline and process.poll() is None:
+            trained = resumed.exists() and len(Store(resumed).versions("policy")) >= 2  # imported + iteration 0
+            if trained and (agents := agent_processes(process.pid)):
+                break
+            time.sleep(0.02)
+        assert process.poll() is None, "the run ended before its second iteration's agents ran"
+        time.sleep(0.3)  # into the agents' calls
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        report["killed_after_s"] = round(time.monotonic() - started, 1)
+        report["policies_at_kill"] = len(Store(resumed).versions("policy"))
+        settle = time.monotonic() + 5  # the kernel's SIGKILL reaches the agents' process when it is scheduled
+        while any(alive(pid) for pid in agents) and time.monotonic() < settle:
+            time.sleep(0.05)
+        report["agents_processes_left"] = sum(alive(pid) for pid in agents)
+
+        started = time.monotonic()
+        assert start(resumed).wait(timeout=1800) == 0, (root / "resumed.out").read_text()[-3000:]
+        report["resume_s"] = round(time.monotonic() - started, 1)
+
+    store = Store(uninterrupted)
     turns = [store.load("generate-rollouts", manifest.version) for manifest in store.versions("generate-rollouts")]
-    rows = [row for turn in turns for row in turn.select_columns(["turn", "failed"])]
+    report["rows"] = [row for turn in turns for row in turn.select_columns(["turn", "failed"])]
+    return report
+
+
+@pytest.mark.parametrize(("function", "rollouts"), AGENTS)
+def test_an_agent_run_killed_under_load_resumes_to_the_bytes_of_the_uninterrupted_run(
+    tmp_path, prefect_server_env, capsys, function, rollouts
+):
+    report = kill_and_resume_under_load(function, rollouts, tmp_path, prefect_server_env)
+    assert report["policies_at_kill"] < 3  # killed before the end: imported + 2 iterations
+    assert report["agents_processes_left"] == 0, "the agents' process outlived mtrl"
+    rows = report["rows"]
     assert rows and not any(row["failed"] for row in rows)  # the agents ran: none failed
     assert any(row["turn"] > 0 for row in rows)  # and called again: calls joined the batch mid-decode
-    assert main(["diff", *map(str, runs)]) == 0
+    capsys.readouterr()
+    assert main(["diff", str(tmp_path / "uninterrupted"), str(tmp_path / "resumed")]) == 0
     assert capsys.readouterr().out.strip().endswith(" 0 different")

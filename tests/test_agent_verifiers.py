@@ -17,6 +17,8 @@ from pipeline.flows import rl_training
 from schemas.config import RunConfig
 from stages.environments import last_integer
 
+ROLLOUTS = 4  # one group, each a verifiers process of its own (seconds of start-up each)
+
 
 def stored(runs: Path, stage: str) -> list[dict]:
     """Every row of every version of a stage in the store."""
@@ -32,7 +34,7 @@ def test_an_iteration_trains_on_multi_turn_verifiers_rollouts_made_with_its_trai
     runs = tmp_path / "runs"
     config = RunConfig(
         iterations=1,
-        task={"rollouts": 8, "group_size": 4},
+        task={"rollouts": ROLLOUTS, "group_size": 4},
         agent={"function": "examples.agents.verifiers_agent:agent", "timeout_s": 300},
         store={"runs_dir": str(runs)},
     )
@@ -43,7 +45,7 @@ def test_an_iteration_trains_on_multi_turn_verifiers_rollouts_made_with_its_trai
     calls: dict[int, list[dict]] = {}
     for row in sorted(stored(runs, "generate-rollouts"), key=lambda row: row["turn"]):
         calls.setdefault(row["rollout_id"], []).append(row)
-    assert sorted(calls) == list(range(8))
+    assert sorted(calls) == list(range(ROLLOUTS))
     assert not [row["failure"] for rows in calls.values() for row in rows if row["failed"]]
     assert max(len(rows) for rows in calls.values()) >= 2, "no rollout called the calculator and went on"
 
@@ -64,7 +66,7 @@ def test_an_iteration_trains_on_multi_turn_verifiers_rollouts_made_with_its_trai
     # verifiers' reward (its @vf.reward) is what mtrl trained on, and mtrl's calculator would give it too
     outcomes = {outcome["rollout_id"]: outcome for outcome in map(json.loads, log.read_text().splitlines())}
     rewards = {row["rollout_id"]: row["reward"] for row in stored(runs, "assign-rewards") if row["terminated"]}
-    assert sorted(outcomes) == sorted(rewards) == list(range(8))
+    assert sorted(outcomes) == sorted(rewards) == list(range(ROLLOUTS))
     for rollout_id, rows in calls.items():
         outcome, final = outcomes[rollout_id], rows[-1]
         assert outcome["ok"] and outcome["turns"] == len(rows)
@@ -74,10 +76,10 @@ def test_an_iteration_trains_on_multi_turn_verifiers_rollouts_made_with_its_trai
 
     manifest = json.loads((runs / "ppo-update" / result["versions"]["ppo-update"] / "manifest.json").read_text())
     assert manifest["audit"]["ok"] and not manifest["audit"]["problems"]
-    assert result["metrics"]["failed_rate"] == 0.0 and result["metrics"]["rollouts"] == 8
+    assert result["metrics"]["failed_rate"] == 0.0 and result["metrics"]["rollouts"] == ROLLOUTS
 
     startup = [outcome["timing"]["startup"] for outcome in outcomes.values()]
     print(
-        f"\nverifiers iteration: {wall_s:.1f} s for 8 rollouts; verifiers start-up per rollout "
-        f"{sum(startup) / len(startup):.1f} s (max {max(startup):.1f} s, 8 at once)"
+        f"\nverifiers iteration: {wall_s:.1f} s for {ROLLOUTS} rollouts; verifiers start-up per rollout "
+        f"{sum(startup) / len(startup):.1f} s (max {max(startup):.1f} s, {ROLLOUTS} at once)"
     )

@@ -70,7 +70,7 @@ def uninterrupted(tmp_path_factory, prefect_server_env):
     return run
 
 
-@pytest.mark.parametrize("staleness, kill_count", [(0, 6), (1, 4)])
+@pytest.mark.parametrize("staleness, kill_count", [(0, 4), (1, 3)])
 def test_sigkill_at_random_moments_then_resume_gives_the_uninterrupted_data(
     tmp_path, prefect_server_env, uninterrupted, staleness, kill_count, capsys
 ):
