@@ -399,8 +399,10 @@ def agents(policy, function, **agent):
     [
         ("tests.agent_programs:raises", 60, "the agent raised RuntimeError: the agent's own bug"),
         # the deadline leaves the agents that return time for their call on a loaded machine (4 s did not once)
-        ("tests.agent_programs:hangs", 10, "did not return within 10 s"),
-        ("tests.agent_programs:hangs_in_sync_code", 10, "did not return within 10 s"),
+        pytest.param("tests.agent_programs:hangs", 10, "did not return within 10 s", marks=pytest.mark.slow),
+        pytest.param(
+            "tests.agent_programs:hangs_in_sync_code", 10, "did not return within 10 s", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_an_agent_that_raises_or_hangs_fails_its_rollout_and_the_others_go_on(policy, function, timeout_s, says):

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--rollouts", "4", "--group-size", "2", "--max-turns", "2", "--set", "generation.max_new_tokens=48"]
 
 
+@pytest.mark.slow  # two estimators over a played iteration (about 11 s)
 @pytest.mark.usefixtures("prefect_server")
 def test_mtrl_stage_ab_tests_two_estimators_on_identical_rollouts(tmp_path, capsys):
     from pipeline.cli import main

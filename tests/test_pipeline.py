@@ -515,6 +515,7 @@ with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):  # as mtrl: 
 """
 
 
+@pytest.mark.slow  # a process of its own against a real server (about 16 s)
 def test_a_process_ending_after_its_flow_sends_its_artifacts_and_their_events(tmp_path, prefect_server_env):
     """An artifact still queued when the outermost flow ends is sent before that flow returns:
     left to the interpreter's exit, it reached the API but Prefect's event for it failed with

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 
 import datasets
+import pytest
 
 from pipeline.lineage import input_of
 from pipeline.stage_runs import settings_of
@@ -149,6 +150,7 @@ def test_reading_the_store_imports_neither_prefect_nor_torch(tmp_path):
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
+@pytest.mark.slow  # a whole run in a process of its own (about 13 s)
 def test_a_run_of_mtrls_own_tasks_imports_no_ecosystem_package():
     """The adapters are imported by name, only for a task that uses them: the versions of a run of
     the built-in tasks are computed without reasoning-gym, textarena, MCP or OpenEnv."""

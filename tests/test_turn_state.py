@@ -20,6 +20,7 @@ from stages import generate_rollouts
 from stages.environments import ENVIRONMENTS
 from stages.generate_rollouts.engine import ENGINE
 
+pytestmark = pytest.mark.slow  # its module fixture plays 6 turns in stage runs of their own (about 18 s)
 TURNS = 6
 
 
