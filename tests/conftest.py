@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -19,18 +21,31 @@ prefect_settings.configure(_PREFECT_HOME)  # telemetry off, no progress bars, no
 
 # `make test` runs the tests on two processes (pytest-xdist), each test wherever a worker is free,
 # except the modules below, whose tests stay on one worker: they share a costly module fixture (a
-# vLLM server, a Ray cluster, an uninterrupted reference run, two played iterations, a tracked run: made once, not
-# once per worker), or
+# vLLM server, a Ray cluster, an uninterrupted reference run, two played iterations, a tracked run, the audited
+# run: made once, not once per worker), or
 # they look at every process of the machine (an MCP server a run left over), where another
 # worker's processes must not show. They go first, the longest first, so that the other worker
 # takes the rest meanwhile.
-ONE_WORKER_MODULES = ("test_vllm", "test_distributed", "test_resume", "test_mcp", "test_turn_state", "test_tracking")
+ONE_WORKER_MODULES = (
+    "test_vllm",
+    "test_distributed",
+    "test_resume",
+    "test_mcp",
+    "test_turn_state",
+    "test_tracking",
+    "test_audit",
+)
+
+
+# Modules that share a session fixture: one scope, so that one worker makes it once (openai_loop_run).
+SHARED_SCOPES = {"test_agent_process": "openai_loop_run", "test_agent_ray": "openai_loop_run"}
+FIRST = (*ONE_WORKER_MODULES, *SHARED_SCOPES)
 
 
 def pytest_collection_modifyitems(items):
     def first(item):
         module = item.module.__name__.rpartition(".")[2]
-        return ONE_WORKER_MODULES.index(module) if module in ONE_WORKER_MODULES else len(ONE_WORKER_MODULES)
+        return FIRST.index(module) if module in FIRST else len(FIRST)
 
     items.sort(key=first)  # stable: each module keeps its own order
 
@@ -40,11 +55,15 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class OneWorkerModules(LoadScopeScheduling):
-        """A scope of one test each, except each module of ONE_WORKER_MODULES: one scope."""
+        """A scope of one test each, except each module of ONE_WORKER_MODULES (one scope) and the modules
+        of SHARED_SCOPES (one scope for each name)."""
 
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return path if Path(path).stem in ONE_WORKER_MODULES else nodeid
+            module = Path(path).stem
+            if module in SHARED_SCOPES:
+                return SHARED_SCOPES[module]
+            return path if module in ONE_WORKER_MODULES else nodeid
 
     return OneWorkerModules(config, log)
 
@@ -97,3 +116,20 @@ def prefect_server_env(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-home")
     with prefect_servers.local_server(home) as url:
         yield {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": url, "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
+
+
+OPENAI_LOOP_ARGS = "--iterations 2 --rollouts 8 --group-size 4 --agent examples.agents.openai_loop:agent".split()
+
+
+@pytest.fixture(scope="session")
+def openai_loop_run(tmp_path_factory, prefect_server_env):
+    """`mtrl run` of examples/agents/openai_loop.py in mtrl's environment (OPENAI_LOOP_ARGS): the bytes the
+    same agent in another environment (test_agent_process) and on Ray (test_agent_ray) must give. Returns
+    (runs dir, the run's arguments)."""
+    runs_dir = tmp_path_factory.mktemp("openai-loop") / "runs"
+    command = [sys.executable, "-m", "pipeline.cli", "run", "--runs-dir", str(runs_dir), *OPENAI_LOOP_ARGS]
+    done = subprocess.run(
+        command, cwd=Path(__file__).parents[1], env=prefect_server_env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return runs_dir, list(OPENAI_LOOP_ARGS)

@@ -179,20 +179,21 @@ def test_a_noisy_agent_trains_and_mtrl_view_shows_each_rollouts_lines(tmp_path, 
 
 
 @pytest.mark.slow
-def test_an_agent_in_its_own_environment_gives_the_same_bytes_as_in_mtrls(tmp_path, prefect_server_env, capsys):
+def test_an_agent_in_its_own_environment_gives_the_same_bytes_as_in_mtrls(
+    tmp_path, prefect_server_env, openai_loop_run, capsys
+):
     """examples/agents/openai_loop.py with openai 2.x in .venv-openai2 (agent.python) and with openai 3.x in
-    mtrl's environment: the same versions, every byte the same (`mtrl diff`)."""
+    mtrl's environment (openai_loop_run): the same versions, every byte the same (`mtrl diff`)."""
     if not OPENAI2_PYTHON.exists():
         pytest.fail(f"no {OPENAI2_PYTHON}: `make setup` builds it (make .venv-openai2/.installed)")
     version = subprocess.run([OPENAI2_PYTHON, "-c", "import openai; print(openai.__version__)"], capture_output=True)
     assert version.stdout.decode().startswith("2."), version
-    args = ["--iterations", "2", "--rollouts", "8", "--group-size", "4", "--agent", "examples.agents.openai_loop:agent"]
+    mtrls, args = openai_loop_run
     mtrl_run(tmp_path / "own", prefect_server_env, *args, "--set", f"agent.python={OPENAI2_PYTHON}")
-    mtrl_run(tmp_path / "mtrls", prefect_server_env, *args)
     for iteration in (0, 1):  # each iteration's agents ran in a process of the other environment's Python
         start = agents_log(tmp_path / "own", iteration).read_text().splitlines()[0]
         assert start.startswith(f"=== agents of iteration {iteration}: process ") and f" of {OPENAI2_PYTHON}, " in start
-    assert failed_rollouts(tmp_path / "own") == failed_rollouts(tmp_path / "mtrls") == [0, 0]
+    assert failed_rollouts(tmp_path / "own") == failed_rollouts(mtrls) == [0, 0]
     capsys.readouterr()
-    assert main(["diff", str(tmp_path / "own"), str(tmp_path / "mtrls")]) == 0
+    assert main(["diff", str(tmp_path / "own"), str(mtrls)]) == 0
     assert capsys.readouterr().out.strip().endswith(" 0 different")

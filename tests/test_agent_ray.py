@@ -213,27 +213,26 @@ def ray_tasks(log: str) -> dict[int, dict[str, object]]:
 
 @pytest.mark.slow
 def test_agents_on_another_ray_node_give_the_bytes_of_the_local_agents(
-    tmp_path, prefect_server_env, agent_nodes, capsys
+    tmp_path, prefect_server_env, agent_nodes, openai_loop_run, capsys
 ):
     """Two Ray tasks on the agents' node, in the agent's own environment: their calls reach the endpoint
-    at other moments than the local process's, in other batches, and the hf engine's numbers do not
-    depend on a row's batch: the same bytes."""
+    at other moments than the local process's (openai_loop_run), in other batches, and the hf engine's
+    numbers do not depend on a row's batch: the same bytes."""
     from pipeline.cli import main
     from stages.generate_rollouts.agents.run import agents_log
 
     address, agents_node, _, _ = agent_nodes
-    agent = ["--iterations", "2", "--agent", "examples.agents.openai_loop:agent"]
+    local, agent = openai_loop_run
     # on Ray, in the agent's own environment (openai 2.x; tests/test_agent_process.py: the same bytes as in
     # mtrl's), named relative to the working directory and found on the node
     python = ["--set", f"agent.python={OPENAI2_PYTHON.relative_to(ROOT)}"]
     finished(mtrl_run(tmp_path / "ray", prefect_server_env, *agent, *on_ray(address, 2), *python), tmp_path / "ray")
-    finished(mtrl_run(tmp_path / "local", prefect_server_env, *agent), tmp_path / "local")
     for iteration in (0, 1):
         tasks = ray_tasks(agents_log(tmp_path / "ray", iteration).read_text())
         assert [task["rollouts"] for _, task in sorted(tasks.items())] == [range(0, 4), range(4, 8)]
         assert all((task["node"], task["program"]) == (agents_node, str(OPENAI2_PYTHON)) for task in tasks.values())
     capsys.readouterr()
-    assert main(["diff", str(tmp_path / "ray"), str(tmp_path / "local")]) == 0
+    assert main(["diff", str(tmp_path / "ray"), str(local)]) == 0
     assert capsys.readouterr().out.strip().endswith(" 0 different")
 
 

@@ -157,6 +157,7 @@ def served_guess():
     server.wait(timeout=30)
 
 
+@pytest.mark.slow  # a uvicorn process of its own
 def test_the_served_environment_answers_as_the_one_in_process(served_guess):
     here, there = adapter(GUESS), adapter(GUESS, {"url": served_guess})
     assert there.action_field == "guess" and there.identity()["action_schema"] == here.identity()["action_schema"]

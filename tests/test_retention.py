@@ -151,6 +151,7 @@ def test_retention_prunes_the_older_states_of_the_new_policys_lineage_only(tmp_p
     assert pruned(store) == {"p0", "p1", "p3"}  # the branch q3 keeps its state
 
 
+@pytest.mark.slow  # processes killed midway
 def test_a_retention_pass_killed_midway_is_finished_by_the_next(tmp_path):
     """A pass that dies at its first deletion has recorded one policy as pruned; the next pass
     walks back to that policy, stops there, and leaves no state behind: passes prune oldest
@@ -196,6 +197,7 @@ def keeping_one(tmp_path_factory, prefect_server):
     return config, rl_training(config), Store(config.store.runs_dir)
 
 
+@pytest.mark.slow  # keeping_one: a run of three iterations
 def test_a_run_keeping_one_state_prunes_the_older_policy_and_resumes(keeping_one, tmp_path):
     from pipeline.compare import compare_runs
     from pipeline.flows import rl_training
@@ -225,6 +227,7 @@ def test_a_run_keeping_one_state_prunes_the_older_policy_and_resumes(keeping_one
     assert newest.endswith(f"in ['model.safetensors'], pruned, not compared: ['{OPTIMIZER_FILE}']")
 
 
+@pytest.mark.slow  # keeping_one
 def test_continuing_a_pruned_state_fails_clearly_and_the_flag_starts_a_fresh_adamw(keeping_one):
     from pipeline.flows import rerun_stage
 

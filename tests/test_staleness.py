@@ -29,7 +29,7 @@ def policy_numbers(store: Store, newest: str) -> dict[str, int]:
     return {version: n for n, version in enumerate(chain)}
 
 
-@pytest.mark.parametrize("staleness, iterations", [(1, 3), (2, 4)])
+@pytest.mark.parametrize("staleness, iterations", [(1, 3), pytest.param(2, 4, marks=pytest.mark.slow)])
 def test_iteration_i_is_generated_by_policy_i_minus_k_and_trains_policy_i(
     small_config, prefect_server, staleness, iterations
 ):
@@ -116,6 +116,7 @@ def test_a_value_head_and_lora_adapters_built_beside_the_next_batch_give_the_sam
     assert capsys.readouterr().out.strip().endswith(" 0 different")
 
 
+@pytest.mark.slow  # three iterations
 def test_an_audit_failure_in_the_batch_made_ahead_fails_its_own_iteration_after_the_update_beside_it(
     small_config, prefect_server, monkeypatch
 ):

@@ -190,6 +190,7 @@ def test_each_failure_kind_and_the_timeout():
     assert results[6].content == "Error: tool 'slow_tool' timed out after 5 s"
 
 
+@pytest.mark.slow  # waits for its deadline
 def test_a_spinning_tool_is_killed_in_time_and_its_worker_replaced():
     warm_up(2)
     idle = list(calls._POOL._idle)  # the workers the two calls take: the spinning one's is killed
@@ -327,6 +328,7 @@ def test_the_python_tool_runs_a_program_in_a_limited_process_and_returns_what_it
         assert result.content.endswith(ending) and result.error == error, (code, result)
 
 
+@pytest.mark.slow  # waits for its deadline (test_each_failure_kind_and_the_timeout times one out in the fast loop)
 def test_a_python_program_that_never_ends_is_killed_at_the_tool_deadline(tmp_path):
     """The program writes its pid, then spins: its worker is killed at the deadline, and the
     program dies with it."""

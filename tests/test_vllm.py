@@ -1,7 +1,7 @@
 """The vLLM engine on vLLM's CPU build (.venv-vllm, built by `make setup`): real servers, token
 ids in and out, logprobs under the stored convention, seeds, stop strings, in-place weight updates
-equal to a fresh server, broken updates failing the iteration, a server killed mid-turn (slow:
-~5 minutes, mostly server starts)."""
+equal to a fresh server, broken updates failing the iteration, a server killed mid-turn. Slow: four
+server starts (30-50 s each on 2 cores, mostly vLLM's imports in three processes), ~4 minutes."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ from stages.policy.scoring import score_rollouts
 
 pytestmark = pytest.mark.slow
 TOLERANCE = 1e-3  # stored vs HF fp32 recompute (measured here: ~3e-5)
+# ~0.9 GiB of host memory (0.3 of it KV cache, 160k tokens): a server starts sooner than with the default 3.5
+SMALL_SERVER = {"gpu_memory_utilization": 0.04}
 EXPERT = EMBEDDED_POLICY.parent / "expert"  # another checkpoint of the same shape (the calculator expert)
 
 
@@ -43,18 +45,36 @@ def vllm_config(runs_dir: Path, **sections) -> RunConfig:
         ppo={"minibatch_rollouts": 8},
         audit={"rescore_fraction": 1.0},
         store={"runs_dir": runs_dir},
-        **sections,
+        **{"vllm": SMALL_SERVER, **sections},
     )
 
 
+def expert_requests(tokenizer) -> list[Request]:
+    prompt = prompt_token_ids(tokenizer, [{"role": "user", "content": "What is 12 * 7?"}], [], True)
+    return [Request(i, prompt, sampling_seed(0, 0, i, 0), 40) for i in range(8)]
+
+
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory, tiny):
-    """A vLLM server mtrl starts on the embedded policy (one for the module: a start takes ~30 s)."""
+def started(tmp_path_factory, tiny):
+    """A vLLM server mtrl starts, one for the module (a start takes 30-50 s): it starts on the expert
+    checkpoint, keeps what a fresh server on it samples (the in-place update test compares with it),
+    then serves the embedded policy, loaded in place. Yields (engine, the fresh server's samples)."""
     _, tokenizer = tiny
     settings = EngineSettings.resolve(vllm_config(tmp_path_factory.mktemp("runs")))
-    engine = open_engine(EMBEDDED_POLICY, tokenizer, settings)
-    yield engine
-    engine.close()
+    engine = open_engine(EXPERT, tokenizer, settings)
+    try:
+        assert engine.update["how"] == "server start"
+        fresh_expert = engine.generate(expert_requests(tokenizer), Sampling(1.0)).completions
+        engine.load_policy(EMBEDDED_POLICY)
+        yield engine, fresh_expert
+    finally:
+        engine.close()
+
+
+@pytest.fixture
+def engine(started):
+    """The module's server, serving the embedded policy."""
+    return started[0]
 
 
 def max_logprob_difference(model, turns, temperature: float = 1.0) -> float:
@@ -137,12 +157,13 @@ def test_the_config_refuses_what_vllm_cannot_do_exactly():
         RunConfig(vllm={"url": "http://gpu:8000", "weight_update": "restart"})
 
 
-def test_an_in_place_update_serves_what_a_fresh_server_on_that_checkpoint_serves(engine, tiny, tmp_path):
+def test_an_in_place_update_serves_what_a_fresh_server_on_that_checkpoint_serves(started, tiny):
     """mtrl's worker extension reloads the checkpoint and re-packs the tied lm_head that vLLM's own
-    reload leaves stale on the CPU build: the same tokens and logprobs (<= 1e-5) as a new server."""
+    reload leaves stale on the CPU build: the same tokens and logprobs (<= 1e-5) as the module's
+    server sampled when it had just started on that checkpoint."""
+    engine, fresh_expert = started
     _, tokenizer = tiny
-    prompt = prompt_token_ids(tokenizer, [{"role": "user", "content": "What is 12 * 7?"}], [], True)
-    requests = [Request(i, prompt, sampling_seed(0, 0, i, 0), 40) for i in range(8)]
+    requests = expert_requests(tokenizer)
     engine.load_policy(EXPERT)
     try:
         assert engine.update["how"] == "in place (reload_checkpoint)"
@@ -150,16 +171,9 @@ def test_an_in_place_update_serves_what_a_fresh_server_on_that_checkpoint_serves
         in_place = engine.generate(requests, Sampling(1.0)).completions
     finally:
         engine.load_policy(EMBEDDED_POLICY)  # the module's other tests use the policy
-    restart = EngineSettings.resolve(vllm_config(tmp_path, vllm={"weight_update": "restart"}))
-    fresh = open_engine(EXPERT, tokenizer, restart)
-    try:
-        assert fresh.update["how"] == "server start"
-        restarted = fresh.generate(requests, Sampling(1.0)).completions
-    finally:
-        fresh.close()
-    for updated, started in zip(in_place, restarted):
-        assert updated.token_ids == started.token_ids
-        assert updated.logprobs == pytest.approx(started.logprobs, abs=1e-5)
+    for updated, started_on_it in zip(in_place, fresh_expert, strict=True):
+        assert updated.token_ids == started_on_it.token_ids
+        assert updated.logprobs == pytest.approx(started_on_it.logprobs, abs=1e-5)
     policy = engine.generate(requests, Sampling(1.0)).completions  # and back: the policy samples otherwise
     assert [c.token_ids for c in policy] != [c.token_ids for c in in_place]
 
@@ -185,6 +199,7 @@ def mtrl_run(runs_dir: Path, env: dict, *flags: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "pipeline.cli", "run", "--runs-dir", str(runs_dir), "--engine", "vllm"]
     command += ["--iterations", "2", "--rollouts", "16", "--group-size", "4", "--max-turns", "3"]
     command += ["--set", "generation.max_new_tokens=64", "--set", "audit.rescore_fraction=1.0", *flags]
+    command += ["--set", f"vllm.gpu_memory_utilization={SMALL_SERVER['gpu_memory_utilization']}"]
     return subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
