@@ -166,9 +166,6 @@ def agent_nodes():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-ARGS = ["--rollouts", str(ROLLOUTS), "--group-size", "4"]
-
-
 def on_ray(address: str, tasks: int) -> list[str]:
     """`tasks` Ray tasks, each asking for one unit of `agents`: all on the agents' node."""
     settings = {
@@ -181,7 +178,7 @@ def on_ray(address: str, tasks: int) -> list[str]:
 
 
 def mtrl_run(runs_dir: Path, env: dict, *args: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "pipeline.cli", "run", "--runs-dir", str(runs_dir), *ARGS, *args]
+    command = [sys.executable, "-m", "pipeline.cli", "run", "--runs-dir", str(runs_dir), *args]
     log = (runs_dir.parent / f"{runs_dir.name}.out").open("w")
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -248,7 +245,8 @@ def test_a_killed_ray_worker_fails_only_its_shards_rollouts_and_leaves_no_agents
 
     address, agents_node, raylet, release = agent_nodes
     runs = tmp_path / "runs"
-    agent = ["--iterations", "1", "--agent", "tests.test_agent_ray:held_by_the_second_task"]
+    agent = ["--iterations", "1", "--rollouts", str(ROLLOUTS), "--group-size", "4"]
+    agent += ["--agent", "tests.test_agent_ray:held_by_the_second_task"]
     run = mtrl_run(runs, prefect_server_env, *agent, *on_ray(address, 2), "--set", "agent.timeout_s=120")
     tasks: dict[int, dict[str, object]] = {}
     try:
