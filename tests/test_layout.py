@@ -181,22 +181,25 @@ from pipeline.stage_table import POLICY, stage_version
 from runtime.hashing import version_key
 from schemas.config import RunConfig
 
-config = RunConfig.model_validate_json(sys.argv[1])  # the copy's defaults, overridden
 
 
-def version(name, parents, position=None):
-    return stage_version(name, settings_of(name, config), parents, position or {})
+def chained_versions(config):
+    def version(name, parents, position=None):
+        return stage_version(name, settings_of(name, config), parents, position or {})
+
+    start = "starting-policy"
+    made = {"generate-rollouts": version("generate-rollouts", {POLICY: start}, {"iteration": 0, "turn": 0})}
+    made["execute-tools"] = version("execute-tools", {"generate-rollouts": made["generate-rollouts"], POLICY: start})
+    made["assign-rewards"] = version("assign-rewards", {"execute-tools": made["execute-tools"]})
+    made["compute-advantages"] = version("compute-advantages", {"assign-rewards": made["assign-rewards"]})
+    made["ppo-update"] = version("ppo-update", {"compute-advantages": made["compute-advantages"], POLICY: start})
+    made["policy"] = version_key(POLICY, POLICY_CODE_VERSION, {}, {"ppo-update": made["ppo-update"]})
+    made["sft"] = version("sft", {POLICY: start})
+    return made
 
 
-start = "starting-policy"
-made = {"generate-rollouts": version("generate-rollouts", {POLICY: start}, {"iteration": 0, "turn": 0})}
-made["execute-tools"] = version("execute-tools", {"generate-rollouts": made["generate-rollouts"], POLICY: start})
-made["assign-rewards"] = version("assign-rewards", {"execute-tools": made["execute-tools"]})
-made["compute-advantages"] = version("compute-advantages", {"assign-rewards": made["assign-rewards"]})
-made["ppo-update"] = version("ppo-update", {"compute-advantages": made["compute-advantages"], POLICY: start})
-made["policy"] = version_key(POLICY, POLICY_CODE_VERSION, {}, {"ppo-update": made["ppo-update"]})
-made["sft"] = version("sft", {POLICY: start})
-print(json.dumps(made))
+# one config per argument: the copy's defaults, overridden
+print(json.dumps([chained_versions(RunConfig.model_validate_json(overrides)) for overrides in sys.argv[1:]]))
 """
 ITERATION = ("generate-rollouts", "execute-tools", "assign-rewards", "compute-advantages", "ppo-update", "policy")
 
@@ -215,10 +218,11 @@ def test_a_version_changes_exactly_when_what_its_stage_computes_changes(tmp_path
         shutil.copytree(ROOT / package, copy / package, ignore=shutil.ignore_patterns("__pycache__", "embedded"))
     shutil.copytree(ROOT / "pipeline" / "embedded", copy / "pipeline" / "embedded")
 
-    def versions(config: dict | None = None) -> dict[str, str]:
+    def versions(*configs: dict) -> list[dict[str, str]]:
+        """The chained versions under each config (default: one, the copy's defaults), in one process."""
         env = {**os.environ, "PYTHONPATH": str(copy)}
         done = subprocess.run(
-            [sys.executable, "-c", CHAINED_VERSIONS, json.dumps(config or {})],
+            [sys.executable, "-c", CHAINED_VERSIONS, *(json.dumps(config) for config in configs or ({},))],
             cwd=copy,
             env=env,
             capture_output=True,
@@ -236,7 +240,7 @@ def test_a_version_changes_exactly_when_what_its_stage_computes_changes(tmp_path
     def changed(after: dict[str, str]) -> set[str]:
         return {name for name in before if after[name] != before[name]}
 
-    before = versions()
+    before = versions()[0]
     edit("schemas/config.py", '"Wall-clock limit per tool call, in seconds."', '"Seconds a tool call may take."')
     edit(
         "runtime/vllm_server.py",
@@ -245,21 +249,22 @@ def test_a_version_changes_exactly_when_what_its_stage_computes_changes(tmp_path
     )
     edit("runtime/launch.py", "LAST_LINES = 30", "LAST_LINES = 40")
     edit("pipeline/flows.py", "def experience(", "def _an_edit() -> None:\n    pass\n\n\ndef experience(")
-    assert changed(versions()) == set()
+    assert changed(versions()[0]) == set()
 
     edit(
         "stages/ppo_update/__init__.py",
         "    if stale:\n        return True\n",
         "    if stale or settings.tis_cap > 1:\n        return True\n",
     )
-    assert changed(after := versions()) == {"ppo-update", "policy"}
+    after, gamma = versions({}, {"advantage": {"gamma": 0.5}})
+    assert changed(after) == {"ppo-update", "policy"}
     before = after
-
-    assert changed(versions({"advantage": {"gamma": 0.5}})) == {"compute-advantages", "ppo-update", "policy"}
+    assert changed(gamma) == {"compute-advantages", "ppo-update", "policy"}
 
     edit("schemas/config.py", "weight_decay: float = Field(0.0,", "weight_decay: float = Field(0.01,")
-    assert changed(after := versions()) == {"ppo-update", "policy"}
+    after = versions()[0]
+    assert changed(after) == {"ppo-update", "policy"}
     before = after
 
     edit("stages/generate_rollouts/vllm_engine.py", 'SERVED_MODEL_NAME = "policy"', 'SERVED_MODEL_NAME = "the-policy"')
-    assert changed(versions()) == set(ITERATION)
+    assert changed(versions()[0]) == set(ITERATION)
