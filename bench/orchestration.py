@@ -64,7 +64,19 @@ def machine() -> dict[str, Any]:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
-    return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(), **versions}
+    git = ["git", "-C", str(REPO)]
+    commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    edited = bool(
+        subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout
+    )
+    return {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        **versions,
+        "commit": commit,
+        "uncommitted_changes": edited,  # the commit alone does not say what ran
+    }
 
 
 def median_of(call: Callable[[], object], repeats: int) -> float:

@@ -2,7 +2,7 @@
 
     pip install 'mtrl[bench]'       # trl==1.16.0 (it changes no installed version of torch & co.)
     python bench/trl_peer.py [--out bench/results/trl_peer.json] [--order trl,mtrl]
-    python bench/trl_peer.py --model smollm2 [--iterations 4] [--out FILE]
+    python bench/trl_peer.py --model smollm2 [--iterations 4] [--seed 0] [--held-out 256] [--out FILE]
 
 The work is mtrl's default run: the embedded policy (fp32, CPU), 10 iterations of 64 rollouts
 (8 calculator questions x 8 samples, the questions of mtrl's own task sampler for each
@@ -28,7 +28,10 @@ bench/real_model.py's RL work: --iterations of 32 calculator rollouts in groups 
 activation checkpointing on both sides (mtrl's memory rule picks it from 50M parameters; TRL's
 default; --trl-gradient-checkpointing off tries TRL without). TRL renders Qwen3's template with
 thinking off (chat_template_kwargs), which is the format mtrl's Hermes template writes. After
-training, `mtrl eval` scores each side's last policy on the same 64 held-out calculator tasks.
+training, `mtrl eval` scores the warm start and each side's last policy on the same --held-out
+fixed calculator tasks (eval's own task seed, whatever --seed), twice: sampled at the run's settings
+and greedily (top_k=1). --seed is both sides' seed (the warm start's, the task order, sampling,
+TRL's initialisation of anything random); bench/trl_seeds.py runs several and compares them.
 
 Each side is its own process, timed from launch to exit (imports included). Reported: wall
 times, generated tokens (model tokens only, not tool outputs), success per iteration (first ->
@@ -219,20 +222,21 @@ def first_and_last_two(curve: list[float]) -> dict[str, float]:
     return {"first": round(curve[0], 3), "last_two_mean": round(sum(curve[-2:]) / 2, 3)}
 
 
-def smollm2_work(iterations: int, workdir: Path) -> tuple[Path, dict[str, Any]]:
-    """SmolLM2's warm start (`mtrl sft` as bench/real_model.py runs it; not timed) and the RL
-    settings both sides train with from it: (the warm-start policy's folder, config overrides)."""
+def smollm2_work(iterations: int, seed: int, workdir: Path) -> tuple[Path, dict[str, Any]]:
+    """SmolLM2's warm start (`mtrl sft` as bench/real_model.py runs it, with `seed`; not timed) and
+    the RL settings both sides train with from it: (the warm-start policy's folder, config overrides)."""
     from learning import mtrl
     from real_model import model_flags, settings, training_flags
 
     from pipeline.store import Store
 
-    chosen = settings()
+    chosen = settings(seed=seed)
     runs_dir = workdir / "warm-start"
     mtrl("sft", *model_flags(chosen, runs_dir), *training_flags(chosen))
     (warm,) = Store(runs_dir).versions("sft")
     overrides = {
         "iterations": iterations,
+        "seed": seed,
         "task.name": "calculator",
         "task.rollouts": chosen.rollouts,
         "task.group_size": 8,
@@ -244,14 +248,19 @@ def smollm2_work(iterations: int, workdir: Path) -> tuple[Path, dict[str, Any]]:
     return Store(runs_dir).policy_dir(warm.policy), overrides
 
 
-def held_out_success(model: Path, runs_dir: Path, policy: str | None = None) -> float:
-    """`mtrl eval` of a model (or a stored policy of runs_dir) on 64 fixed calculator tasks."""
+def held_out_success(model: Path, runs_dir: Path, tasks: int, policy: str | None = None) -> dict[str, float]:
+    """`mtrl eval` of a model (or a stored policy of runs_dir) on `tasks` fixed calculator tasks:
+    sampled at the run's settings, and greedily (top_k=1: the most likely token every step)."""
     from real_model import evaluate
 
     flags = ["--model", str(model), "--runs-dir", str(runs_dir), "--task", "calculator"]
     flags += ["--set=model.chat_template=hermes", "--set=generation.enable_thinking=false"]
     flags += ["--set=generation.max_new_tokens=96"]
-    return evaluate(flags, policy, rollouts=64)["success_rate"]
+    return {
+        "sampled": evaluate(flags, policy, rollouts=tasks)["success_rate"],
+        "greedy": evaluate([*flags, "--set=generation.top_k=1"], policy, rollouts=tasks)["success_rate"],
+        "tasks": tasks,
+    }
 
 
 def main() -> None:
@@ -269,6 +278,10 @@ def main() -> None:
     parser.add_argument("--model", choices=["embedded", "smollm2"], default="embedded")
     parser.add_argument("--iterations", type=int, default=4, help="smollm2's RL iterations (embedded: mtrl's 10)")
     parser.add_argument("--trl-gradient-checkpointing", choices=["on", "off"], default=None, help="default: mtrl's")
+    parser.add_argument("--seed", type=int, default=0, help="both sides' seed (smollm2: the warm start's too)")
+    parser.add_argument(
+        "--held-out", type=int, default=256, help="smollm2: fixed calculator tasks scored after training"
+    )
     args = parser.parse_args()
     out = args.out or REPO / "bench" / "results" / (
         "trl_peer_smollm2.json" if args.model == "smollm2" else "trl_peer.json"
@@ -278,7 +291,9 @@ def main() -> None:
 
     template = database_template_dir()  # a new runs dir copies it instead of migrating (pipeline/prefect_servers.py)
     results: dict[str, Any] = {"prefect_database_template_existed": bool(template and template.is_dir())}
-    start, overrides = smollm2_work(args.iterations, workdir) if args.model == "smollm2" else (None, {})
+    start, overrides = (
+        smollm2_work(args.iterations, args.seed, workdir) if args.model == "smollm2" else (None, {"seed": args.seed})
+    )
     large = args.model == "smollm2"  # mtrl's memory rule: activation checkpointing from 50M parameters
     checkpointing = args.trl_gradient_checkpointing == "on" if args.trl_gradient_checkpointing else large
     spec = {"overrides": overrides, "model_dir": str(start) if start else None, "gradient_checkpointing": checkpointing}
@@ -303,13 +318,17 @@ def main() -> None:
 
         policies = [m for m in Store(workdir / "runs").versions("policy") if m.iteration is not None]
         last = max(policies, key=lambda m: m.iteration).version
-        results["mtrl"]["success"]["held_out"] = held_out_success(start, workdir / "runs", policy=last)
-        results["trl"]["success"]["held_out"] = held_out_success(Path(spec["save"]), workdir / "trl-eval")
+        results["mtrl"]["success"]["held_out"] = held_out_success(start, workdir / "runs", args.held_out, policy=last)
+        results["trl"]["success"]["held_out"] = held_out_success(
+            Path(spec["save"]), workdir / "trl-eval", args.held_out
+        )
+        results["warm_start"] = {"held_out": held_out_success(start, workdir / "warm-eval", args.held_out)}
     report = {
         "machine": machine(),
         "model": args.model,
         "work": {"overrides": overrides, "trl_gradient_checkpointing": checkpointing},
         "order": args.order,
+        "seed": args.seed,
         "ratio_mtrl_over_trl": round(results["mtrl"]["wall_s"] / results["trl"]["wall_s"], 3),
         **results,
     }
