@@ -22,7 +22,9 @@ textarena/GuessTheNumber-v0 (a number between 1 and 20 in 10 guesses, each a mov
 reward: the game's, 1 for a win and the closeness of the last guess otherwise; success: a win).
 
 Reported per seed and task: held-out success and mean reward before and after RL, per iteration
-(success, reward, seconds per stage, audit), the commands' wall times. Threads: mtrl's default.
+(success, reward, seconds per stage, audit), the commands' wall times; per task over the seeds: the
+mean and standard error of success before and after RL and of the gains (`--seeds 0 1 2 --tasks
+reasoning-gym` for the task alone). Threads: mtrl's default.
 With --jobs 2 the seeds run side by side, sharing the two cores: every time is then measured
 under that load.
 """
@@ -43,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from learning import machine, mtrl  # noqa: E402
 from real_model import GGUF_NAME, gguf_path, iteration_report  # noqa: E402
+from trl_seeds import mean_and_error  # noqa: E402
 
 from pipeline.store import Store  # noqa: E402
 
@@ -62,6 +65,13 @@ RL_TASKS = {  # what a user sets for each task: its name, settings, tools, turn 
         "tools": {},
         "sets": {"generation.max_new_tokens": 24, "generation.max_context_tokens": 2048},
     },
+}
+
+SUMMARISED = {  # what the summary gives with its standard error over the seeds
+    "success_before_rl": lambda task: task["before_rl"]["success_rate"],
+    "success_after_rl": lambda task: task["after_rl"]["success_rate"],
+    "success_gain": lambda task: task["success_gain"],
+    "reward_gain": lambda task: task["reward_gain"],
 }
 
 
@@ -154,10 +164,11 @@ def main() -> None:
             lambda seed: one_seed(argparse.Namespace(**vars(args), seed=seed), root / f"seed-{seed}"), args.seeds
         )
         seeds = dict(zip(args.seeds, done))
-    summary = {
+    summary = {  # over the seeds: mean and standard error of each, then each seed's own
         name: {
-            "success_gain_mean": round(sum(s[name]["success_gain"] for s in seeds.values()) / len(seeds), 4),
-            "reward_gain_mean": round(sum(s[name]["reward_gain"] for s in seeds.values()) / len(seeds), 4),
+            **{
+                measure: mean_and_error([read(s[name]) for s in seeds.values()]) for measure, read in SUMMARISED.items()
+            },
             "success_gain_per_seed": {seed: s[name]["success_gain"] for seed, s in seeds.items()},
             "reward_gain_per_seed": {seed: s[name]["reward_gain"] for seed, s in seeds.items()},
             "wall_s_per_seed": {seed: s[name]["task_wall_s"] for seed, s in seeds.items()},

@@ -97,6 +97,7 @@ def main() -> None:
     unknown = set(recipes) - set(RECIPES)
     if unknown:
         raise SystemExit(f"unknown recipes {sorted(unknown)}: choose from {', '.join(RECIPES)}")
+    ran_on = machine()  # at the start: the commit (and edits) that ran, not what the tree holds at the end
     cells: dict[str, list[dict[str, Any]]] = {recipe: [] for recipe in recipes}
     for seed in (int(text) for text in args.seeds.split(",")):
         workdir, warm = Path(tempfile.mkdtemp(prefix=f"mtrl-recipes-seed{seed}-")), None
@@ -106,7 +107,7 @@ def main() -> None:
                 warm = warm or smollm2_work(args.iterations, seed, workdir)  # once per seed, for every recipe
                 start, overrides = warm
                 cell = {"seed": seed, **run_recipe(recipe, start, overrides, args.held_out, workdir)}
-                cell["work"] = {"overrides": overrides, "machine": machine()}
+                cell["work"] = {"overrides": overrides, "machine": ran_on}
                 cell_file.write_text(json.dumps(cell, indent=2) + "\n")
             cell = json.loads(cell_file.read_text())
             work = (cell["work"]["overrides"]["iterations"], cell["held_out"]["tasks"])
@@ -116,7 +117,7 @@ def main() -> None:
                 )
             cells[recipe].append(cell)
         shutil.rmtree(workdir)
-    report = {"machine": machine(), "seeds": args.seeds, "cells": cells, "table": table(cells)}
+    report = {"machine": ran_on, "seeds": args.seeds, "cells": cells, "table": table(cells)}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report["table"], indent=2))
 

@@ -286,6 +286,7 @@ def main() -> None:
     out = args.out or REPO / "bench" / "results" / (
         "trl_peer_smollm2.json" if args.model == "smollm2" else "trl_peer.json"
     )
+    ran_on = machine()  # at the start: the commit (and edits) that ran, not what the tree holds at the end
     workdir = Path(tempfile.mkdtemp(prefix="mtrl-peer-"))
     from pipeline.prefect_servers import database_template_dir
 
@@ -324,7 +325,7 @@ def main() -> None:
         )
         results["warm_start"] = {"held_out": held_out_success(start, workdir / "warm-eval", args.held_out)}
     report = {
-        "machine": machine(),
+        "machine": ran_on,
         "model": args.model,
         "work": {"overrides": overrides, "trl_gradient_checkpointing": checkpointing},
         "order": args.order,

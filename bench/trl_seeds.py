@@ -8,8 +8,9 @@ seed gives one draw of "does mtrl learn as well as TRL", and only more seeds tel
 seed's luck. Each seed is one invocation of `bench/trl_peer.py --model smollm2 --seed S` (its own
 warm start, then TRL, then mtrl, then `mtrl eval` of the warm start and of both trained policies on
 the same --held-out fixed tasks, sampled and greedy), written to its own file beside --out
-(FILE_seed<S>.json). A seed whose file exists is read, not run again: a race takes about an hour on
-2 cores, so the seeds can be run over several sittings.
+(FILE_seed<S>.json). A seed whose file exists is read, not run again: a race takes about 80 minutes
+on 2 cores (most of it TRL's training and the six evaluations), so the seeds can be run over several
+sittings.
 
 Written to --out (default bench/results/trl_peer_smollm2_seeds.json): every seed's numbers, and over
 the seeds each one's mean with its standard error (sample standard deviation / sqrt(seeds)) and the
