@@ -10,7 +10,7 @@ recipe the same warm start (it is made once per seed) and the same tasks.
 
 Each (recipe, seed) is written to its own file beside --out (FILE_<recipe>_seed<S>.json); one whose
 file exists is read, not run again, so the table can be filled over several sittings. Written to
---out (default bench/results/recipes_smollm2.json): every cell's runs, and per recipe the mean and
+--out (default: recipes_smollm2.json in bench/results): every cell's runs, and per recipe the mean and
 standard error over the seeds of held-out success (sampled, greedy), last-two training success and
 wall time, and the paired difference from the default recipe.
 """

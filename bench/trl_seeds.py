@@ -12,7 +12,7 @@ the same --held-out fixed tasks, sampled and greedy), written to its own file be
 on 2 cores (most of it TRL's training and the six evaluations), so the seeds can be run over several
 sittings.
 
-Written to --out (default bench/results/trl_peer_smollm2_seeds.json): every seed's numbers, and over
+Written to --out (default: trl_peer_smollm2_seeds.json in bench/results): every seed's numbers, and over
 the seeds each one's mean with its standard error (sample standard deviation / sqrt(seeds)) and the
 paired difference mtrl - TRL (per seed, then mean and standard error), which removes what a seed
 does to both sides alike (its warm start, its tasks).

@@ -169,7 +169,9 @@ def test_no_server_outlives_a_run_or_a_sigkilled_mtrl(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     store = Store(tmp_path / "one")
     assert all("add" in turn.extra("tools") for turn in store.versions("execute-tools"))  # what its tasks had
-    assert set(server_processes()) <= before  # every server it started is gone with it
+    # every server it started is gone with it: the kernel SIGKILLs them as mtrl exits, and a loaded machine may
+    # schedule a server's exit a moment after mtrl's (seen once in `make test`: one server still listed)
+    assert gone(set(server_processes()) - before, within_s=10)
 
     log = (tmp_path / "mtrl.log").open("w")
     mtrl = subprocess.Popen(
