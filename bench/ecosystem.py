@@ -47,6 +47,7 @@ from learning import machine, mtrl  # noqa: E402
 from real_model import GGUF_NAME, gguf_path, iteration_report  # noqa: E402
 from trl_seeds import mean_and_error  # noqa: E402
 
+from pipeline.lineage import latest_policy  # noqa: E402
 from pipeline.store import Store  # noqa: E402
 
 WARM_START = "reasoning-gym/products"  # multiplications: a calculate call, then the answer between the tags
@@ -123,8 +124,7 @@ def one_seed(args: argparse.Namespace, root: Path) -> dict:
         print(f"seed {args.seed} {name}: before RL {before}", flush=True)
         _, run_wall = mtrl("run", *flags, *training_flags(args), "--iterations", str(args.iterations[name]))
         store = Store(runs_dir)
-        last = max((m for m in store.versions("policy") if m.iteration is not None), key=lambda m: m.iteration)
-        after = evaluate(flags, last.version, args.eval_rollouts)
+        after = evaluate(flags, latest_policy(store), args.eval_rollouts)
         print(f"seed {args.seed} {name}: after RL {after}", flush=True)
         results[name] = {
             "task": RL_TASKS[name]["task"],

@@ -30,6 +30,7 @@ from orchestration import REPO, machine, measure_mtrl  # noqa: E402
 from trl_peer import first_and_last_two, held_out_success, smollm2_work  # noqa: E402
 from trl_seeds import mean_and_error  # noqa: E402
 
+from pipeline.lineage import latest_policy  # noqa: E402
 from pipeline.store import Store  # noqa: E402
 
 RECIPES: dict[str, dict[str, object]] = {  # name -> the --set values it changes
@@ -51,9 +52,7 @@ def run_recipe(
     settings = {**overrides, **RECIPES[recipe]}
     runs_dir = workdir / f"runs-{recipe}"
     result = measure_mtrl(["--model", str(start), *(f"--set={k}={v}" for k, v in settings.items())], runs_dir)
-    trained = [m for m in Store(runs_dir).versions("policy") if m.iteration is not None]
-    last = max(trained, key=lambda m: m.iteration).version
-    held_out = held_out_success(start, runs_dir, held_out_tasks, policy=last)
+    held_out = held_out_success(start, runs_dir, held_out_tasks, policy=latest_policy(Store(runs_dir)))
     shutil.rmtree(runs_dir)  # ~0.5 GB per SmolLM2 policy: a table's runs would fill the disk
     return {
         "recipe": recipe,

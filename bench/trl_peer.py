@@ -315,10 +315,10 @@ def main() -> None:
     for side in ("trl", "mtrl"):
         results[side]["success"] = first_and_last_two(results[side]["success_curve"])
     if large:  # each side's last policy on the same held-out tasks (not timed)
+        from pipeline.lineage import latest_policy
         from pipeline.store import Store
 
-        policies = [m for m in Store(workdir / "runs").versions("policy") if m.iteration is not None]
-        last = max(policies, key=lambda m: m.iteration).version
+        last = latest_policy(Store(workdir / "runs"))
         results["mtrl"]["success"]["held_out"] = held_out_success(start, workdir / "runs", args.held_out, policy=last)
         results["trl"]["success"]["held_out"] = held_out_success(
             Path(spec["save"]), workdir / "trl-eval", args.held_out
@@ -329,7 +329,6 @@ def main() -> None:
         "model": args.model,
         "work": {"overrides": overrides, "trl_gradient_checkpointing": checkpointing},
         "order": args.order,
-        "seed": args.seed,
         "ratio_mtrl_over_trl": round(results["mtrl"]["wall_s"] / results["trl"]["wall_s"], 3),
         **results,
     }

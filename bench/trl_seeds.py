@@ -44,7 +44,10 @@ def mean_and_error(values: list[float]) -> dict[str, float]:
 
 def seed_row(race: dict[str, Any]) -> dict[str, Any]:
     """What one seed's race (bench/trl_peer.py's output) contributes to the comparison."""
-    row: dict[str, Any] = {"seed": race["seed"], "ratio_mtrl_over_trl": race["ratio_mtrl_over_trl"]}
+    row: dict[str, Any] = {
+        "seed": race["work"]["overrides"]["seed"],
+        "ratio_mtrl_over_trl": race["ratio_mtrl_over_trl"],
+    }
     for side in SIDES:
         result = race[side]
         row[side] = {
