@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from bench.agents import machine
-from pipeline.cli import main as mtrl
+from pipeline.cli.main import main as mtrl
 from tests.test_agent_determinism import AGENTS, kill_and_resume_under_load
 
 REPO = Path(__file__).resolve().parents[1]

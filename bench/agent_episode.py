@@ -273,8 +273,8 @@ def ends(calls: list[dict[str, Any]], field: str) -> dict[str, float]:
 
 class Bench:
     def __init__(self, args: argparse.Namespace):
-        from pipeline.models import EMBEDDED_POLICY
-        from pipeline.stage_runs import settings_of
+        from pipeline.models.base_model import EMBEDDED_POLICY
+        from pipeline.orchestration.stage_runs import settings_of
         from schemas.config import RunConfig
         from stages.generate_rollouts import rollout_starts
         from stages.generate_rollouts.agents import record

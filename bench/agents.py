@@ -295,7 +295,7 @@ def failures(runs: Path) -> dict[str, Any]:
 def train(probe: Probe, name: str, config_fields: dict[str, Any], workdir: Path) -> dict[str, Any]:
     """rl_training with these fields in a fresh runs directory: its walls, stages, engine calls,
     metrics per iteration."""
-    from pipeline.flows import rl_training
+    from pipeline.orchestration.flows import rl_training
     from runtime.memory import peak_memory
     from runtime.phases import PHASES
     from schemas.config import RunConfig
@@ -369,7 +369,7 @@ def replay_endpoint(
     import httpx
     import openai
 
-    from pipeline.stage_runs import settings_of
+    from pipeline.orchestration.stage_runs import settings_of
     from schemas.config import RunConfig
     from stages.generate_rollouts import rollout_starts, sampling_seed
     from stages.generate_rollouts.agents.endpoint import Endpoint

@@ -47,8 +47,8 @@ from learning import machine, mtrl  # noqa: E402
 from real_model import GGUF_NAME, gguf_path, iteration_report  # noqa: E402
 from trl_seeds import mean_and_error  # noqa: E402
 
-from pipeline.lineage import latest_policy  # noqa: E402
-from pipeline.store import Store  # noqa: E402
+from pipeline.store.lineage import latest_policy  # noqa: E402
+from pipeline.store.versions import Store  # noqa: E402
 
 WARM_START = "reasoning-gym/products"  # multiplications: a calculate call, then the answer between the tags
 ARITHMETIC = "reasoning-gym/basic_arithmetic"

@@ -64,7 +64,7 @@ from stages.ppo_update import PPOSettings, optimise_policy
 
 def build_model(name: str, device: torch.device) -> torch.nn.Module:
     if name == "tiny":
-        from pipeline.models import EMBEDDED_POLICY
+        from pipeline.models.base_model import EMBEDDED_POLICY
         from stages.policy.loading import load_model
 
         return load_model(EMBEDDED_POLICY, "float32", device.type)

@@ -28,7 +28,7 @@ SETTINGS = {"kl_0.05 (default)": [], "kl_0": ["--set", "ppo.kl_coef=0"]}
 
 
 def stage_seconds(runs_dir: Path, stage: str) -> float:
-    from pipeline.store import Store
+    from pipeline.store.versions import Store
 
     return round(sum(m.wall_s for m in Store(runs_dir).versions(stage)), 1)
 

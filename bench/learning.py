@@ -65,9 +65,9 @@ def evaluate(runs_dir: Path, policy: str | None) -> dict:
 
 def training_run(runs_dir: Path, *flags: str) -> dict:
     """One `mtrl run`: its learning curve (from the manifests), wall time and ppo-update memory."""
-    from pipeline.lineage import latest_policy
-    from pipeline.report import iterations
-    from pipeline.store import Store
+    from pipeline.monitoring.report import iterations
+    from pipeline.store.lineage import latest_policy
+    from pipeline.store.versions import Store
 
     _, wall = mtrl("run", "--runs-dir", str(runs_dir), *flags)
     store = Store(runs_dir)

@@ -199,8 +199,8 @@ def import_seconds(modules: str) -> float:
 
 
 def prefect_costs(repeats: int) -> dict[str, Any]:
-    from pipeline import prefect_servers
-    from pipeline.prefect_settings import flow_heartbeats
+    from pipeline.prefect_plumbing import servers as prefect_servers
+    from pipeline.prefect_plumbing.settings import flow_heartbeats
 
     runs_dir = Path(tempfile.mkdtemp(prefix="mtrl-floor-")) / "runs"
     prefect_servers.start_api(runs_dir, "thread")()  # mtrl's temporary server, as `mtrl run` starts it
@@ -312,11 +312,11 @@ def prefect_unit_costs(repeats: int = 40) -> dict[str, float]:
 
 def run_iterations(runner: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """runner: `thread`, or `ray:N` for the ray runner with execute-tools split over N Ray tasks."""
-    from pipeline.flows import rl_iteration
-    from pipeline.models import import_base_policy
-    from pipeline.runners import stage_runner
-    from pipeline.stage_table import POLICY
-    from pipeline.store import Store
+    from pipeline.models.base_model import import_base_policy
+    from pipeline.orchestration.flows import rl_iteration
+    from pipeline.orchestration.runners import stage_runner
+    from pipeline.orchestration.stage_table import POLICY
+    from pipeline.store.versions import Store
     from schemas.config import RunConfig
 
     config = RunConfig(
@@ -359,7 +359,7 @@ def run_iterations(runner: str, args: argparse.Namespace, workdir: Path) -> dict
 
 def runners(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="mtrl-bench-"))
-    from pipeline import prefect_servers
+    from pipeline.prefect_plumbing import servers as prefect_servers
 
     os.environ.pop("PREFECT_API_URL", None)
     prefect_servers.start_api(workdir, "ray")()  # a real local server, stopped at exit

@@ -33,7 +33,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/engine.py, beside this file
 from engine import synthetic_turns  # noqa: E402
 
-from pipeline.models import EMBEDDED_POLICY  # noqa: E402
+from pipeline.models.base_model import EMBEDDED_POLICY  # noqa: E402
 from runtime.launch import Placement, run_on_ranks  # noqa: E402
 from schemas.config import RunConfig  # noqa: E402
 from stages.policy.loading import load_tokenizer  # noqa: E402

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from learning import machine, mtrl  # noqa: E402
 
-from pipeline.store import Store  # noqa: E402
+from pipeline.store.versions import Store  # noqa: E402
 from runtime.cache import cache_dir  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -30,8 +30,8 @@ from orchestration import REPO, machine, measure_mtrl  # noqa: E402
 from trl_peer import first_and_last_two, held_out_success, smollm2_work  # noqa: E402
 from trl_seeds import mean_and_error  # noqa: E402
 
-from pipeline.lineage import latest_policy  # noqa: E402
-from pipeline.store import Store  # noqa: E402
+from pipeline.store.lineage import latest_policy  # noqa: E402
+from pipeline.store.versions import Store  # noqa: E402
 
 RECIPES: dict[str, dict[str, object]] = {  # name -> the --set values it changes
     "default": {},

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from learning import machine, mtrl  # noqa: E402
 from real_model import GGUF_NAME, model_flags, settings, training_flags  # noqa: E402
 
-from pipeline.store import Store  # noqa: E402
+from pipeline.store.versions import Store  # noqa: E402
 
 BUDGETS = {"one padded pass (0)": ["--set=sft.max_tokens_per_micro_batch=0"], "default (null)": []}
 

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from learning import machine  # noqa: E402
 from real_model import GGUF_NAME, RL_TASK, gguf_path  # noqa: E402
 
-from pipeline.evaluate import run_episodes  # noqa: E402
-from pipeline.models import SHIPPED_TEMPLATES, resolve_model_dir  # noqa: E402
+from pipeline.models.base_model import SHIPPED_TEMPLATES, resolve_model_dir  # noqa: E402
+from pipeline.orchestration.episodes import run_episodes  # noqa: E402
 from runtime.threads import use_threads  # noqa: E402
 from schemas.config import RunConfig  # noqa: E402
 from schemas.features import COMPUTE_ADVANTAGES  # noqa: E402

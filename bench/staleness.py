@@ -67,8 +67,8 @@ def machine() -> dict:
 
 
 def measure(runs_dir: Path, flags: list[str]) -> dict:
-    from pipeline.report import iterations
-    from pipeline.store import Store
+    from pipeline.monitoring.report import iterations
+    from pipeline.store.versions import Store
 
     env = {**os.environ, "DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "HF_HUB_OFFLINE": "1"}
     command = [*MTRL, "run", "--runs-dir", str(runs_dir), "--set", "audit.rescore_fraction=1.0", *flags]

@@ -69,7 +69,7 @@ def trl_child(out: Path, workdir: Path, spec: dict[str, Any]) -> None:
     from trl import GRPOConfig, GRPOTrainer
     from trl.chat_template_utils import qwen3_chat_template
 
-    from pipeline.models import resolve_model_dir
+    from pipeline.models.base_model import resolve_model_dir
     from schemas.config import RunConfig
     from stages.environments import ENVIRONMENTS
     from stages.generate_rollouts import GenerateSettings, rollout_starts
@@ -228,7 +228,7 @@ def smollm2_work(iterations: int, seed: int, workdir: Path) -> tuple[Path, dict[
     from learning import mtrl
     from real_model import model_flags, settings, training_flags
 
-    from pipeline.store import Store
+    from pipeline.store.versions import Store
 
     chosen = settings(seed=seed)
     runs_dir = workdir / "warm-start"
@@ -288,9 +288,11 @@ def main() -> None:
     )
     ran_on = machine()  # at the start: the commit (and edits) that ran, not what the tree holds at the end
     workdir = Path(tempfile.mkdtemp(prefix="mtrl-peer-"))
-    from pipeline.prefect_servers import database_template_dir
+    from pipeline.prefect_plumbing.servers import database_template_dir
 
-    template = database_template_dir()  # a new runs dir copies it instead of migrating (pipeline/prefect_servers.py)
+    template = (
+        database_template_dir()
+    )  # a new runs dir copies it instead of migrating (pipeline/prefect_plumbing/servers.py)
     results: dict[str, Any] = {"prefect_database_template_existed": bool(template and template.is_dir())}
     start, overrides = (
         smollm2_work(args.iterations, args.seed, workdir) if args.model == "smollm2" else (None, {"seed": args.seed})
@@ -315,8 +317,8 @@ def main() -> None:
     for side in ("trl", "mtrl"):
         results[side]["success"] = first_and_last_two(results[side]["success_curve"])
     if large:  # each side's last policy on the same held-out tasks (not timed)
-        from pipeline.lineage import latest_policy
-        from pipeline.store import Store
+        from pipeline.store.lineage import latest_policy
+        from pipeline.store.versions import Store
 
         last = latest_policy(Store(workdir / "runs"))
         results["mtrl"]["success"]["held_out"] = held_out_success(start, workdir / "runs", args.held_out, policy=last)

@@ -43,8 +43,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/real_model.py: where the GGUF file is
 
-from pipeline.evaluate import run_episodes
-from pipeline.models import EMBEDDED_POLICY, SHIPPED_TEMPLATES, resolve_model_dir
+from pipeline.models.base_model import EMBEDDED_POLICY, SHIPPED_TEMPLATES, resolve_model_dir
+from pipeline.orchestration.episodes import run_episodes
 from runtime.vllm_server import vllm_version
 from schemas.config import RunConfig
 from schemas.token_stream import prompt_token_ids
@@ -157,8 +157,8 @@ def measure(name: str, args, model_dir: Path, tokenizer, model, runs_dir: Path) 
 
 def learning_run(engine: str, runs_dir: Path) -> dict:
     """What a user types, timed; success per iteration and each iteration's audit from the store."""
-    from pipeline.report import iterations
-    from pipeline.store import Store
+    from pipeline.monitoring.report import iterations
+    from pipeline.store.versions import Store
 
     command = [sys.executable, "-m", "pipeline.cli", "run", "--engine", engine, "--runs-dir", str(runs_dir)]
     command += ["--set", "audit.rescore_fraction=1.0"]

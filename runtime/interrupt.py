@@ -1,7 +1,7 @@
 """Ctrl-C, remembered. Prefect swallows an exception that lands after a task's or a subflow's code
 has finished (it logs "BaseException was raised after user code finished executing"), so a
 KeyboardInterrupt delivered there would be lost and the run would go on. `mtrl` sets INTERRUPTED
-before raising it, and the flows check it between iterations and turns (pipeline/flows.py)."""
+before raising it, and the flows check it between iterations and turns (pipeline/orchestration/flows.py)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ that started them.
 
 (what dies_with_this_thread runs)
 
-Standard library only: pipeline/prefect_servers.py imports it before anything heavy, and other
+Standard library only: pipeline/prefect_plumbing/servers.py imports it before anything heavy, and other
 Pythons (a vLLM environment) run it.
 """
 

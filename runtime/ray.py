@@ -1,5 +1,5 @@
 """Ray, imported and connected the same way by everything in mtrl that uses it: the ray runner of
-the tool and reward stages (pipeline/runners.py), a row-wise stage split over Ray tasks
+the tool and reward stages (pipeline/orchestration/runners.py), a row-wise stage split over Ray tasks
 (map_row_shards) and ppo-update on several nodes (runtime/launch.py)."""
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def map_row_shards(
     if not ray.is_initialized():
         raise RunnerError(
             "runner 'ray', but this process is not connected to Ray: with the ray runner a stage runs as a "
-            "Ray task, submitted by the pipeline to the runner that pipeline.runners.stage_runner starts; "
+            "Ray task, submitted by the pipeline to the runner that pipeline.orchestration.runners.stage_runner starts; "
             "runner.kind: thread runs it in this process"
         )
     shards = min(shards, len(rows))

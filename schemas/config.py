@@ -502,7 +502,7 @@ class SFTConfig(Section):
 
 
 class AuditConfig(Section):
-    """The checks a compute-advantages version passes before ppo-update trains on it (pipeline/audit.py).
+    """The checks a compute-advantages version passes before ppo-update trains on it (pipeline/store/audit.py).
     They decide whether the update runs, not what it computes: no version hashes them."""
 
     rescore_fraction: float = Field(
@@ -575,7 +575,7 @@ TrackerName = Literal["tensorboard", "mlflow", "wandb", "trackio"]
 
 class TrackingConfig(Section):
     """Experiment trackers that each iteration's metrics, stage times, data counts and a few sample
-    trajectories are copied to (pipeline/tracking.py, docs/tracking.md). The store stays the record:
+    trajectories are copied to (pipeline/monitoring/tracking.py, docs/tracking.md). The store stays the record:
     no stage reads these fields, so they are part of no version, and a tracker that fails warns once
     and the run goes on without it."""
 

@@ -19,7 +19,7 @@ class StoreError(RuntimeError):
 
 
 class MissingVersionError(StoreError):
-    """A version that is not in the store (the CLI adds how to rebuild it: pipeline/lineage.py)."""
+    """A version that is not in the store (the CLI adds how to rebuild it: pipeline/store/lineage.py)."""
 
     def __init__(self, stage: str, version: str, root: Path):
         super().__init__(f"{stage}/{version} is not in the store at {root}")

@@ -1,5 +1,5 @@
 """A stage is one contract (docs/architecture.md): each stage declares one `Stage` in its own module,
-and pipeline/stage_table.py registers it with one line. Everything else is derived from the
+and pipeline/orchestration/stage_table.py registers it with one line. Everything else is derived from the
 declarations: the store's folders, the Prefect task, the inputs a run finds through the lineage,
 `mtrl stage`, the version.
 
@@ -101,7 +101,7 @@ class Settings(BaseModel):
 class Inputs(Protocol):
     """What a stage reads of the store: its inputs, by name (e.g. "execute-tools", "policy"), each a
     stored version its manifest records as a parent. Every read is checked against the version's
-    file digests. Implemented by the pipeline (pipeline/stage_runs.py)."""
+    file digests. Implemented by the pipeline (pipeline/orchestration/stage_runs.py)."""
 
     version: str  # the version this run writes
     parents: Mapping[str, str]  # input name -> version
@@ -158,7 +158,7 @@ class Stage:
     writes_policy: bool = False  # its output is its metrics and the policy it trained (Output.save_policy)
     audits: str | None = None  # the input the audit checks before it runs: never train on a bad batch
     # For a stage that continues the AdamW state of its policy input (when its settings say so):
-    # retention may have pruned that state (pipeline/retention.py).
+    # retention may have pruned that state (pipeline/store/retention.py).
     continues_optimizer: Callable[[Any], bool] | None = None
     code: tuple[str, ...] = ()  # hashed source its module does not import (a plugin another process loads)
 

@@ -15,7 +15,8 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 _PREFECT_HOME = Path(tempfile.mkdtemp(prefix="mtrl-test-prefect-"))
 os.environ.setdefault("PREFECT_HOME", str(_PREFECT_HOME))
-from pipeline import prefect_servers, prefect_settings  # noqa: E402
+from pipeline.prefect_plumbing import servers as prefect_servers  # noqa: E402
+from pipeline.prefect_plumbing import settings as prefect_settings  # noqa: E402
 
 prefect_settings.configure(_PREFECT_HOME)  # telemetry off, no progress bars, no ~/.prefect
 
@@ -39,7 +40,9 @@ ONE_WORKER_MODULES = (
 
 # Modules that share a session fixture: one scope, so that one worker makes it once (openai_loop_run).
 SHARED_SCOPES = {"test_agent_process": "openai_loop_run", "test_agent_ray": "openai_loop_run"}
-FIRST = (*ONE_WORKER_MODULES, *SHARED_SCOPES)
+# Modules of long tests that may run on either worker: they go first too, after the two longest modules above.
+LONG_TESTS = ("test_vllm_runs", "test_agent_determinism")
+FIRST = (*ONE_WORKER_MODULES[:2], *LONG_TESTS, *ONE_WORKER_MODULES[2:], *SHARED_SCOPES)
 
 
 def pytest_collection_modifyitems(items):
@@ -89,7 +92,7 @@ def prefect_server(prefect_server_env):
 @pytest.fixture(scope="session")
 def tiny():
     """The embedded policy: (model, tokenizer), fp32 on CPU."""
-    from pipeline.models import EMBEDDED_POLICY
+    from pipeline.models.base_model import EMBEDDED_POLICY
     from stages.policy.loading import load_model, load_tokenizer
 
     return load_model(EMBEDDED_POLICY, "float32", "cpu"), load_tokenizer(EMBEDDED_POLICY)

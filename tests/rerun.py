@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.compare import compare_runs
-from pipeline.store import Store
+from pipeline.store.diff import compare_runs
+from pipeline.store.versions import Store
 
 ROOT = Path(__file__).resolve().parent.parent
 

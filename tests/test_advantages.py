@@ -183,8 +183,8 @@ def test_the_first_iterations_reference_logprobs_are_its_exact_generation_logpro
     """Iteration 0's rollouts come from the reference policy itself: with exact generation
     logprobs (hf engine, float32) compute-advantages takes them instead of a reference forward
     pass; they agree within 1e-5, and so do the advantages with the KL penalty in the reward."""
-    from pipeline.evaluate import run_episodes
-    from pipeline.models import EMBEDDED_POLICY
+    from pipeline.models.base_model import EMBEDDED_POLICY
+    from pipeline.orchestration.episodes import run_episodes
     from stages.compute_advantages import score_with_policies
     from stages.generate_rollouts.hf import HFEngine
     from stages.policy.loading import eos_token_ids, exact_generation_logprobs

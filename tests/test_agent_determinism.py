@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from pipeline.cli import main
-from pipeline.store import Store
+from pipeline.cli.main import main
+from pipeline.store.versions import Store
 from runtime.threads import THREAD_VARIABLES
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ from pathlib import Path
 import datasets
 import pytest
 
-from pipeline.flows import rl_training
+from pipeline.orchestration.flows import rl_training
 from schemas.config import RunConfig
 from stages.policy.batching import rollout_sequences
 

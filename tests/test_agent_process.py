@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from agent_programs import forged_outcomes
 
-from pipeline.cli import main
-from pipeline.models import EMBEDDED_POLICY
-from pipeline.stage_runs import settings_of
-from pipeline.stage_table import ROOT, stage_version
-from pipeline.store import Store
-from pipeline.viewer import iteration_view
+from pipeline.cli.main import main
+from pipeline.models.base_model import EMBEDDED_POLICY
+from pipeline.monitoring.viewer import iteration_view
+from pipeline.orchestration.stage_runs import settings_of
+from pipeline.orchestration.stage_table import ROOT, stage_version
+from pipeline.store.versions import Store
 from schemas.config import RunConfig
 from stages.generate_rollouts import agent_records
 from stages.generate_rollouts.agents.run import CHILD, agents_log

@@ -57,8 +57,8 @@ async def held_by_the_second_task(rollout) -> float | None:
 
 
 def test_where_and_how_many_processes_run_the_agents_changes_no_version(tmp_path):
-    from pipeline.stage_runs import settings_of
-    from pipeline.stage_table import stage_version
+    from pipeline.orchestration.stage_runs import settings_of
+    from pipeline.orchestration.stage_table import stage_version
     from schemas.config import RunConfig
 
     def version(**agent) -> str:
@@ -215,7 +215,7 @@ def test_agents_on_another_ray_node_give_the_bytes_of_the_local_agents(
     """Two Ray tasks on the agents' node, in the agent's own environment: their calls reach the endpoint
     at other moments than the local process's (openai_loop_run), in other batches, and the hf engine's
     numbers do not depend on a row's batch: the same bytes."""
-    from pipeline.cli import main
+    from pipeline.cli.main import main
     from stages.generate_rollouts.agents.run import agents_log
 
     address, agents_node, _, _ = agent_nodes
@@ -240,7 +240,7 @@ def test_a_killed_ray_worker_fails_only_its_shards_rollouts_and_leaves_no_agents
     """Task 2's agents hold after their first call and task 1's wait: task 2's Ray worker, SIGKILLed
     then, takes its agents' process along; rollouts 4-7 fail saying so, 0-3 go on once released, and
     the run ends well."""
-    from pipeline.store import Store
+    from pipeline.store.versions import Store
     from stages.generate_rollouts.agents.run import agents_log
 
     address, agents_node, raylet, release = agent_nodes
@@ -285,8 +285,8 @@ def test_a_killed_ray_worker_fails_only_its_shards_rollouts_and_leaves_no_agents
 @pytest.mark.slow
 def test_a_node_without_the_agents_python_fails_the_stage_saying_so(tmp_path, agent_nodes):
     """agent.python is found on the node: one it does not have is a setting error, not failed rollouts."""
-    from pipeline.models import EMBEDDED_POLICY
-    from pipeline.stage_runs import settings_of
+    from pipeline.models.base_model import EMBEDDED_POLICY
+    from pipeline.orchestration.stage_runs import settings_of
     from schemas.config import RunConfig
     from stages.generate_rollouts import agent_records
     from stages.generate_rollouts.engine import open_engine

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.models import EMBEDDED_POLICY
+from pipeline.models.base_model import EMBEDDED_POLICY
 from stages.generate_rollouts.agents import openai_api
 from stages.generate_rollouts.agents.record import RolloutRecord, next_call, render_context, reply_of
 from stages.policy.loading import load_tokenizer

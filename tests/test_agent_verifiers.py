@@ -13,7 +13,7 @@ import datasets
 import pytest
 
 from examples.agents.verifiers_agent import LOG_VARIABLE, PYTHON
-from pipeline.flows import rl_training
+from pipeline.orchestration.flows import rl_training
 from schemas.config import RunConfig
 from stages.environments import last_integer
 

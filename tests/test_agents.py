@@ -15,8 +15,8 @@ import openai
 import pytest
 from datasets import Features
 
-from pipeline.models import EMBEDDED_POLICY
-from pipeline.stage_runs import settings_of
+from pipeline.models.base_model import EMBEDDED_POLICY
+from pipeline.orchestration.stage_runs import settings_of
 from schemas.config import RunConfig
 from schemas.features import AGENT_STATE, GENERATE_ROLLOUTS, TOKENS, FinishReason, dataset_from_rows
 from schemas.token_stream import prompt_token_ids

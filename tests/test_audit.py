@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.audit import audit
-from pipeline.store import Store, StoreError
+from pipeline.store.audit import audit
+from pipeline.store.versions import Store, StoreError
 from schemas.config import RunConfig
 from stages.registry import Tasks
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("prefect_server")
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from pipeline.flows import rl_training
+    from pipeline.orchestration.flows import rl_training
     from schemas.config import RunConfig
     from stages.policy.loading import load_tokenizer
 
@@ -147,7 +147,7 @@ def test_mtrl_audit_checks_a_later_turn_after_the_earlier_turns_of_its_rollouts(
     after the earlier turns of its rollouts, not as if they were rollouts of their own."""
     import json
 
-    from pipeline.cli import main
+    from pipeline.cli.main import main
 
     store, _, _, result = run
     later_tools = result["versions"]["execute-tools"][-1]
@@ -163,7 +163,7 @@ def test_mtrl_audit_checks_a_later_turn_after_the_earlier_turns_of_its_rollouts(
 def test_bfloat16_generation_is_audited_with_the_tolerance_of_its_dtype(tmp_path):
     """The re-score is float32: bfloat16 rollouts differ from it by rounding (far above the
     float32 tolerance), and must not fail every iteration's audit for that."""
-    from pipeline.flows import rl_training
+    from pipeline.orchestration.flows import rl_training
     from schemas.config import RunConfig
 
     config = RunConfig(

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from pipeline.models import EMBEDDED_POLICY, SHIPPED_TEMPLATES, import_base_policy, starting_tokenizer
-from pipeline.store import Store
+from pipeline.models.base_model import EMBEDDED_POLICY, SHIPPED_TEMPLATES, import_base_policy, starting_tokenizer
+from pipeline.store.versions import Store
 from stages.policy.loading import ModelError, load_tokenizer
 
 # Plain ChatML without a tools section, as SmolLM2-135M-Instruct ships: tools are dropped silently.
@@ -43,7 +43,7 @@ def test_a_template_that_drops_the_tools_is_refused(model_without_tools, small_c
 
 
 def test_the_cli_refuses_it_with_one_line(model_without_tools, tmp_path, capsys):
-    from pipeline.cli import main
+    from pipeline.cli.main import main
 
     code = main(["eval", "--model", str(model_without_tools), "--runs-dir", str(tmp_path / "runs")])
     assert code == 2
@@ -58,7 +58,7 @@ def test_an_unknown_template_is_a_clear_error(small_config):
 
 
 def test_the_override_is_stored_with_the_policy_and_trains(model_without_tools, small_config, tmp_path, prefect_server):
-    from pipeline.flows import rl_training
+    from pipeline.orchestration.flows import rl_training
 
     config = small_config.with_overrides(
         {"model.path": str(model_without_tools), "model.chat_template": "hermes", "generation.max_new_tokens": 24}

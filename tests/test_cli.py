@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import UsageError, build_config, main, parser
-from pipeline.config_docs import ConfigField, config_fields
+from pipeline.cli.config_docs import ConfigField, config_fields
+from pipeline.cli.main import UsageError, build_config, main, parser
 from schemas.config import RunConfig
 
 
@@ -94,7 +94,7 @@ def test_run_then_ls_show_lineage(tmp_path, capsys):
 def test_eval_rolls_out_a_policy_storing_only_the_imported_model(tmp_path, capsys):
     import json
 
-    from pipeline.store import Store
+    from pipeline.store.versions import Store
 
     runs = tmp_path / "runs"
     assert main(["eval", "--runs-dir", str(runs), "--rollouts", "4", "--group-size", "2", "--max-turns", "3"]) == 0
@@ -109,7 +109,7 @@ def test_eval_rolls_out_a_policy_storing_only_the_imported_model(tmp_path, capsy
 def test_a_model_without_a_chat_template_is_refused(tmp_path, capsys):
     import shutil
 
-    from pipeline.models import EMBEDDED_POLICY
+    from pipeline.models.base_model import EMBEDDED_POLICY
 
     model = tmp_path / "model"
     shutil.copytree(EMBEDDED_POLICY, model, ignore=shutil.ignore_patterns("chat_template.jinja"))

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.lineage import run_config
-from pipeline.store import Store
+from pipeline.store.lineage import run_config
+from pipeline.store.versions import Store
 
 pytestmark = pytest.mark.slow
 ARGS = ["--iterations", "2", "--task", "calculator", "--rollouts", "2", "--group-size", "2", "--max-turns", "1"]
@@ -86,7 +86,8 @@ def test_runs_started_together_on_one_store_keep_their_versions_apart(tmp_path):
 
 START_API = """
 import sys
-from pipeline import prefect_servers, prefect_settings
+from pipeline.prefect_plumbing import servers as prefect_servers
+from pipeline.prefect_plumbing import settings as prefect_settings
 prefect_settings.configure(sys.argv[1])
 from prefect import get_client
 print("imported", file=sys.stderr, flush=True)
@@ -149,7 +150,7 @@ START_WHILE_IMPORTING = """
 import os, sys
 forks = []
 os.register_at_fork(before=lambda: forks.append("before"), after_in_parent=lambda: forks.append("after"))
-from pipeline import prefect_servers
+from pipeline.prefect_plumbing import servers as prefect_servers
 wait = prefect_servers.start_api(sys.argv[1], "thread")
 wait()
 print(forks)
@@ -187,7 +188,7 @@ def test_a_sigkilled_run_takes_its_temporary_prefect_server_along(tmp_path):
 CONCURRENT_WRITES = """
 import json, os, sys, threading
 import httpx
-from pipeline import prefect_servers
+from pipeline.prefect_plumbing import servers as prefect_servers
 
 if sys.argv[1].startswith("http"):  # a server already started
     url = sys.argv[1]

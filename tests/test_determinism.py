@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.store import Store
+from pipeline.store.versions import Store
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
 
 def run_once(runs_dir):
-    from pipeline.flows import rl_training
+    from pipeline.orchestration.flows import rl_training
     from schemas.config import RunConfig
 
     config = RunConfig(

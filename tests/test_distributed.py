@@ -26,8 +26,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.stage_table import POLICY
-from pipeline.store import Store
+from pipeline.orchestration.stage_table import POLICY
+from pipeline.store.versions import Store
 from runtime.launch import TrainingProcessError
 from schemas.config import RunConfig
 from stages.policy.loading import ValueHead, load_model
@@ -46,7 +46,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
 def two_iterations(tmp_path_factory):
     """Two iterations on one process, GAE (a value head) with gradient accumulation (2 passes
     per mini-batch) and activation checkpointing: iteration 1 starts from a saved AdamW state."""
-    from pipeline.flows import rl_training
+    from pipeline.orchestration.flows import rl_training
 
     config = RunConfig(
         iterations=2,
@@ -61,7 +61,7 @@ def two_iterations(tmp_path_factory):
 
 def update(config: RunConfig, advantaged: str, **ppo) -> str:
     """ppo-update of a stored compute-advantages version with these ppo fields."""
-    from pipeline.flows import rerun_stage
+    from pipeline.orchestration.flows import rerun_stage
 
     changed = config.with_overrides({f"ppo.{name}": value for name, value in ppo.items()})
     return rerun_stage(changed, "ppo-update", f"compute-advantages/{advantaged}")

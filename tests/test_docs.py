@@ -1,9 +1,9 @@
 """The docs stay true to the tree: every file path, test and module they name exists.
 
 Read: README.md, docs/*.md, and the comments and docstrings of the code (they name files too).
-Checked: paths under the project's folders (`pipeline/store.py`, `bench/results/<name>.json`), tests
+Checked: paths under the project's folders (`pipeline/store/versions.py`, `bench/results/<name>.json`), tests
 (`test_<file>.py::test_<name>`) and dotted module paths (`stages.ppo_update.worker`, and a name in
-a module: `pipeline.audit.audit_before_training`)."""
+a module: `pipeline.store.audit.audit_before_training`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import functools
 import re
 from pathlib import Path
 
-from pipeline.stage_table import ROOT
+from pipeline.orchestration.stage_table import ROOT
 
 FOLDERS = ("pipeline", "stages", "schemas", "runtime", "bench", "tests", "docs", "deployments")
 PACKAGES = ("pipeline", "stages", "schemas", "runtime")
@@ -103,9 +103,50 @@ def test_the_readme_is_short_enough_to_read():
 
 def test_the_docs_describe_every_registered_stage_and_only_those():
     """docs/architecture.md's list of stages ("How each stage works") is the stage table's."""
-    from pipeline.stage_table import STAGES
+    from pipeline.orchestration.stage_table import STAGES
 
     text = (ROOT / "docs" / "architecture.md").read_text()
     section = text[text.index("## How each stage works") :]
     section = section[: section.index("\n## ", 1)]
     assert set(re.findall(r"^- \*\*([a-z-]+)\*\*", section, re.M)) == set(STAGES)
+
+
+def layout_map() -> dict[str, dict[str, str]]:
+    """docs/architecture.md's map of the code (the blocks under "## Layout"): for each package, each entry
+    (a module `name.py` or a folder `name/`) and the text that describes it."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text[text.index("## Layout") :]
+    section = section[: section.index("\n## ", 1)]
+    packages: dict[str, dict[str, str]] = {}
+    entry = None
+    for block in re.findall(r"```\n(.*?)```", section, re.S):
+        for line in block.splitlines():
+            if top := re.match(r"^(\w+)/\s", line + " "):
+                package = packages.setdefault(top.group(1), {})
+                entry = None
+            elif named := re.match(r"^  (\w+(?:\.py|/))\s", line + " "):
+                entry = named.group(1)
+                package[entry] = line
+            elif entry is not None and line.startswith("   "):
+                package[entry] += " " + line.strip()
+    return packages
+
+
+def modules_and_folders(folder: Path) -> set[str]:
+    """A package's modules (`name.py`, not __init__ or __main__) and sub-packages (`name/`)."""
+    names = {p.name for p in folder.glob("*.py") if not p.name.startswith("__")}
+    return names | {f"{p.name}/" for p in folder.iterdir() if (p / "__init__.py").is_file()}
+
+
+def test_the_docs_map_every_module_and_folder_of_the_packages_and_only_those():
+    """docs/architecture.md's map names each package's modules and sub-packages, and pipeline's sub-packages
+    name each of their modules: a file moved, added or removed is moved, added or removed there too."""
+    mapped = layout_map()
+    assert set(mapped) >= set(PACKAGES)
+    for package in PACKAGES:
+        assert set(mapped[package]) == modules_and_folders(ROOT / package), package
+    for folder, entry in mapped["pipeline"].items():
+        named = set(re.findall(r"\b\w+\.py\b", entry)) | set(re.findall(r"\b\w+/", entry))
+        contents = modules_and_folders(ROOT / "pipeline" / folder)
+        assert {name for name in named if name.endswith(".py")} == {n for n in contents if n.endswith(".py")}, folder
+        assert named >= contents, folder

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from pipeline.evaluate import run_episodes
+from pipeline.orchestration.episodes import run_episodes
 from schemas.config import RunConfig, TaskConfig
 from schemas.features import ASSIGN_REWARDS, EXECUTE_TOOLS, dataset_from_rows
 from schemas.task_mix import groups_per_task, parse_task_mix

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from pipeline.evaluate import run_episodes
+from pipeline.orchestration.episodes import run_episodes
 from schemas.config import RunConfig
 from stages.generate_rollouts import hf_serve, sampling_seed
 from stages.generate_rollouts.engine import Request, Sampling

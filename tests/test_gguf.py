@@ -17,9 +17,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from pipeline.models import convert_gguf, import_base_policy, resolve_model
-from pipeline.stage_table import POLICY
-from pipeline.store import Store
+from pipeline.models.base_model import convert_gguf, import_base_policy, resolve_model
+from pipeline.orchestration.stage_table import POLICY
+from pipeline.store.versions import Store
 from runtime.hashing import file_digests
 from schemas.config import RunConfig
 from stages.policy.loading import ModelError, load_model, load_tokenizer

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pipeline.stage_table import ROOT
+from pipeline.orchestration.stage_table import ROOT
 from runtime import interpreter
 
 EXITING = """
@@ -62,7 +62,7 @@ def test_the_fast_exit_runs_only_on_a_python_it_was_checked_on(monkeypatch):
 
 COMMAND = """
 import gc, json, sys
-import pipeline.cli as cli
+import pipeline.cli.main as cli
 
 seen = {}
 

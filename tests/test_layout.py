@@ -1,6 +1,7 @@
 """The layout's rules, checked on the source (docs/architecture.md):
 
-- four layers, imports pointing down only: schemas <- runtime <- stages <- pipeline;
+- four layers, imports pointing down only: schemas <- runtime <- stages <- pipeline, and inside
+  pipeline/ its sub-packages: store, prefect_plumbing <- models, monitoring <- orchestration <- cli;
 - no import circle anywhere;
 - stages never import each other (they meet through schemas/, the store and the shared modules);
 - a stage's version hashes exactly the code that shapes its output: its closure holds what it
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.stage_table import HASHED_PACKAGES, ROOT, STAGES, code_files
+from pipeline.orchestration.stage_table import HASHED_PACKAGES, ROOT, STAGES, code_files
 from runtime.hashing import imported_files, module_closure
 
 LAYERS = ("schemas", "runtime", "stages", "pipeline")  # lowest first: a module imports its own layer or lower
@@ -65,7 +66,9 @@ def stage_of(module: str) -> str | None:
 
 def test_every_module_of_the_four_layers_is_found():
     modules = project_modules()
-    assert {"schemas.config", "runtime.processes", "stages.ppo_update.worker", "pipeline.flows"} <= set(modules)
+    assert {"schemas.config", "runtime.processes", "stages.ppo_update.worker", "pipeline.orchestration.flows"} <= set(
+        modules
+    )
     assert len(imports()) == len(modules)
 
 
@@ -77,6 +80,28 @@ def test_imports_point_down_the_layers():
         if LAYERS.index(imported.split(".")[0]) > LAYERS.index(module.split(".")[0])
     ]
     assert not wrong, "an import runs up the layers schemas <- runtime <- stages <- pipeline:\n" + "\n".join(wrong)
+
+
+# pipeline/'s sub-packages, lowest first: a module imports its own sub-package or one of a lower level
+PIPELINE_LEVELS = (("store", "prefect_plumbing"), ("models", "monitoring"), ("orchestration",), ("cli",))
+
+
+def test_pipelines_sub_packages_import_only_lower_ones():
+    level = {f"pipeline.{package}": i for i, packages in enumerate(PIPELINE_LEVELS) for package in packages}
+    sub_package = {
+        module: ".".join(module.split(".")[:2]) for module in project_modules() if in_package(module, "pipeline")
+    }
+    assert set(sub_package.values()) == {"pipeline", *level}  # every sub-package has its level
+    wrong = [
+        f"{module} imports {imported}"
+        for module, imported_modules in imports().items()
+        if module in sub_package and sub_package[module] != "pipeline"
+        for imported in imported_modules
+        if imported in sub_package
+        and sub_package[imported] != sub_package[module]
+        and level.get(sub_package[imported], -1) >= level[sub_package[module]]
+    ]
+    assert not wrong, f"pipeline/'s sub-packages import down the levels {PIPELINE_LEVELS} only:\n" + "\n".join(wrong)
 
 
 def test_there_is_no_import_circle():
@@ -165,7 +190,7 @@ def test_runtime_and_pipeline_are_never_followed_into_a_closure(tmp_path):
     hints only (under `if TYPE_CHECKING:`) never runs: it is not followed either."""
     user = tmp_path / "user.py"
     user.write_text(
-        "from typing import TYPE_CHECKING\nfrom runtime.memory import peak_memory\nfrom pipeline.store import Store\n"
+        "from typing import TYPE_CHECKING\nfrom runtime.memory import peak_memory\nfrom pipeline.store.versions import Store\n"
         "import schemas.features\nif TYPE_CHECKING:\n    from schemas.manifest import Manifest\n"
     )
     closure = {str(path) for path in module_closure([user], ROOT, HASHED_PACKAGES)}
@@ -176,8 +201,8 @@ def test_runtime_and_pipeline_are_never_followed_into_a_closure(tmp_path):
 # computed in the tree the process runs from, with the run config's overrides given as JSON.
 CHAINED_VERSIONS = """
 import json, sys
-from pipeline.stage_runs import POLICY_CODE_VERSION, settings_of
-from pipeline.stage_table import POLICY, stage_version
+from pipeline.orchestration.stage_runs import POLICY_CODE_VERSION, settings_of
+from pipeline.orchestration.stage_table import POLICY, stage_version
 from runtime.hashing import version_key
 from schemas.config import RunConfig
 
@@ -216,7 +241,7 @@ def test_a_version_changes_exactly_when_what_its_stage_computes_changes(tmp_path
     copy = tmp_path / "mtrl"
     for package in LAYERS:
         shutil.copytree(ROOT / package, copy / package, ignore=shutil.ignore_patterns("__pycache__", "embedded"))
-    shutil.copytree(ROOT / "pipeline" / "embedded", copy / "pipeline" / "embedded")
+    shutil.copytree(ROOT / "pipeline" / "models" / "embedded", copy / "pipeline" / "models" / "embedded")
 
     def versions(*configs: dict) -> list[dict[str, str]]:
         """The chained versions under each config (default: one, the copy's defaults), in one process."""
@@ -248,7 +273,7 @@ def test_a_version_changes_exactly_when_what_its_stage_computes_changes(tmp_path
         "LOG_NAME = 'vllm.log'\n\n\nclass EngineError(RuntimeError):",
     )
     edit("runtime/launch.py", "LAST_LINES = 30", "LAST_LINES = 40")
-    edit("pipeline/flows.py", "def experience(", "def _an_edit() -> None:\n    pass\n\n\ndef experience(")
+    edit("pipeline/orchestration/flows.py", "def experience(", "def _an_edit() -> None:\n    pass\n\n\ndef experience(")
     assert changed(versions()[0]) == set()
 
     edit(

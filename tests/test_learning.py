@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from pipeline.store import Store
+from pipeline.store.versions import Store
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
 
 
 def test_four_iterations_of_the_default_demo_raise_success_by_twenty_points(tmp_path):
-    from pipeline.flows import rl_training
+    from pipeline.orchestration.flows import rl_training
     from schemas.config import RunConfig
 
     # The demo's defaults (64 calculator rollouts, GRPO, one AdamW continued across iterations),
@@ -36,7 +36,7 @@ def test_four_iterations_of_the_default_demo_raise_success_by_twenty_points(tmp_
 def test_the_demo_through_the_openai_client_agent_learns_as_the_native_loop_does(tmp_path):
     """The demo's 10 iterations with the calculator played by an agent program against mtrl's endpoint
     (examples/agents/openai_loop.py): success rises from the starting policy's ~0.36 to >= 0.85."""
-    from pipeline.flows import rl_training
+    from pipeline.orchestration.flows import rl_training
     from schemas.config import RunConfig
 
     agent = {"function": "examples.agents.openai_loop:agent"}

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.stage_runs import settings_of
-from pipeline.stage_table import stage_version
-from pipeline.store import Store
+from pipeline.orchestration.stage_runs import settings_of
+from pipeline.orchestration.stage_table import stage_version
+from pipeline.store.versions import Store
 from schemas.config import RunConfig
 from schemas.token_stream import prompt_token_ids
 from stages.execute_tools.calls import ToolCall, run_tool_calls

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.store import Store
+from pipeline.store.versions import Store
 from runtime.processes import free_port
 from schemas.config import RunConfig
 from schemas.features import GENERATE_ROLLOUTS, dataset_from_rows
@@ -89,7 +89,7 @@ def test_an_mcp_environments_tools_run_inside_its_episode():
         "content": content,
         "failed": False,
     }
-    from pipeline.models import EMBEDDED_POLICY
+    from pipeline.models.base_model import EMBEDDED_POLICY
     from stages.policy.loading import load_tokenizer
 
     config = RunConfig(task={"name": CALC, "options": {CALC: IN_PROCESS[CALC]}})
@@ -171,7 +171,7 @@ def test_the_served_environment_answers_as_the_one_in_process(served_guess):
 def test_one_iteration_on_a_served_environment_and_a_turn_re_runs_to_the_same_bytes_elsewhere(served_guess, tmp_path):
     from rerun import rerun_turn_elsewhere
 
-    from pipeline.flows import rl_training
+    from pipeline.orchestration.flows import rl_training
 
     config = RunConfig(
         iterations=1,

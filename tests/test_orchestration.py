@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.store import Store
+from pipeline.store.versions import Store
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--rollouts", "4", "--group-size", "2", "--max-turns", "2", "--set", "generation.max_new_tokens=48"]
@@ -19,7 +19,7 @@ SMALL = ["--rollouts", "4", "--group-size", "2", "--max-turns", "2", "--set", "g
 @pytest.mark.slow  # two estimators over a played iteration (about 11 s)
 @pytest.mark.usefixtures("prefect_server")
 def test_mtrl_stage_ab_tests_two_estimators_on_identical_rollouts(tmp_path, capsys):
-    from pipeline.cli import main
+    from pipeline.cli.main import main
 
     runs = str(tmp_path / "runs")
     run = ["--iterations", "1", "--rollouts", "16", "--group-size", "4", "--max-turns", "3"]
@@ -136,4 +136,4 @@ def test_prefect_deploy_all_registers_the_scheduled_deployment(prefect_server_en
     prefect(env, "--no-prompt", "deploy", "--all", cwd=ROOT / "deployments")
     shown = prefect(env, "deployment", "inspect", "rl-iteration/hourly")
     assert "3600" in shown and str(tmp_path / "scheduled") in shown and "mtrl-process" in shown
-    assert "pipeline.flows.rl_iteration" in shown
+    assert "pipeline.orchestration.flows.rl_iteration" in shown

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline.stage_table import POLICY, STAGES
-from pipeline.store import Store
+from pipeline.orchestration.stage_table import POLICY, STAGES
+from pipeline.store.versions import Store
 from schemas.token_stream import generation_prompt_ids, observation_token_ids, prompt_token_ids, rollouts
 from stages.environments import ENVIRONMENTS
 from stages.tools import TOOLS, tool_schema
@@ -24,7 +24,7 @@ def folders(store: Store) -> set[str]:
 
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
-    from pipeline.flows import rl_training
+    from pipeline.orchestration.flows import rl_training
     from schemas.config import RunConfig
 
     config = RunConfig(
@@ -148,7 +148,7 @@ def test_token_streams_reproduce_what_the_model_saw(first_run, tiny):
 
 
 def test_same_command_again_is_all_cache_hits(first_run):
-    from pipeline.flows import rl_training
+    from pipeline.orchestration.flows import rl_training
 
     config, (result,), store = first_run
     before = folders(store)
@@ -158,7 +158,7 @@ def test_same_command_again_is_all_cache_hits(first_run):
 
 
 def test_changing_only_the_estimator_reuses_the_rollouts(first_run):
-    from pipeline.flows import rl_training
+    from pipeline.orchestration.flows import rl_training
 
     config, (result,), store = first_run
     before = folders(store)
@@ -179,7 +179,7 @@ def test_changing_only_the_estimator_reuses_the_rollouts(first_run):
 def test_a_deleted_version_is_recomputed_not_served_from_prefects_cache(first_run):
     import shutil
 
-    from pipeline.flows import rl_training
+    from pipeline.orchestration.flows import rl_training
 
     config, (result,), store = first_run
     version = result["versions"]["compute-advantages"]
@@ -192,8 +192,8 @@ def test_a_deleted_version_is_recomputed_not_served_from_prefects_cache(first_ru
 def test_a_deleted_policy_folder_is_named_with_its_rebuild_command_and_rebuilt_with_the_same_bytes(first_run):
     import shutil
 
-    from pipeline.cli import error_message
-    from pipeline.flows import rl_training
+    from pipeline.cli.main import error_message
+    from pipeline.orchestration.flows import rl_training
     from schemas.manifest import MissingVersionError
 
     config, (result,), store = first_run
@@ -217,8 +217,8 @@ def test_a_runs_dir_moved_away_from_its_starting_model_keeps_its_lineage(tmp_pat
     runs dir and the model folder elsewhere, and the run goes on from its cache."""
     import shutil
 
-    from pipeline.flows import rl_training
-    from pipeline.models import EMBEDDED_POLICY
+    from pipeline.models.base_model import EMBEDDED_POLICY
+    from pipeline.orchestration.flows import rl_training
     from schemas.config import RunConfig
 
     shutil.copytree(EMBEDDED_POLICY, tmp_path / "model")
@@ -246,8 +246,8 @@ def test_a_runs_dir_moved_away_from_its_starting_model_keeps_its_lineage(tmp_pat
 def test_gae_with_kl_in_the_reward_and_lora_over_two_iterations(tmp_path):
     """The critic and the reference are read by compute-advantages, the value head travels with
     the policy, and a LoRA update is merged into a plain checkpoint."""
-    from pipeline.flows import rl_training
-    from pipeline.report import write_report
+    from pipeline.monitoring.report import write_report
+    from pipeline.orchestration.flows import rl_training
     from schemas.config import RunConfig
 
     config = RunConfig(
@@ -303,9 +303,9 @@ def test_a_new_stage_is_one_module_and_one_registration_line(first_run, monkeypa
     re-run entry all come from the declaration."""
     import plugin_stage
 
-    from pipeline import stage_table
-    from pipeline.cli import RerunnableStages
-    from pipeline.flows import rerun_stage
+    from pipeline.cli.main import RerunnableStages
+    from pipeline.orchestration import stage_table
+    from pipeline.orchestration.flows import rerun_stage
 
     monkeypatch.setitem(stage_table.STAGES, plugin_stage.STAGE.name, plugin_stage.STAGE)  # the registration line
     assert "token-budget" in RerunnableStages() and stage_table.rerun_map()["token-budget"] == "assign-rewards"
@@ -327,7 +327,7 @@ def test_a_new_stage_is_one_module_and_one_registration_line(first_run, monkeypa
 def test_a_second_engine_plugs_in_by_name_without_touching_the_flow(first_run, tmp_path):
     """An engine registered in ENGINES is selected by generation.engine: here the HF engine
     re-encoding every turn (no KV reuse) gives the flow the same sampled tokens."""
-    from pipeline.flows import rl_training
+    from pipeline.orchestration.flows import rl_training
     from stages.generate_rollouts.engine import ENGINES
     from stages.generate_rollouts.hf import HFEngine
 
@@ -352,7 +352,7 @@ def test_a_second_engine_plugs_in_by_name_without_touching_the_flow(first_run, t
 def test_an_iteration_where_every_rollout_fails_stops_and_writes_no_policy(tmp_path, monkeypatch):
     """A run whose environment is down must not look like success: the audit in front of
     ppo-update stops the iteration (audit.max_failed_fraction) and no new policy is written."""
-    from pipeline.flows import rl_training
+    from pipeline.orchestration.flows import rl_training
     from schemas.config import RunConfig
     from stages.environments import CalculatorEnv
 
@@ -376,7 +376,7 @@ def test_an_iteration_where_every_rollout_fails_stops_and_writes_no_policy(tmp_p
 def test_an_iteration_whose_prompts_all_overflow_the_context_stops_and_writes_no_policy(tmp_path):
     """Every prompt longer than generation.max_context_tokens: each rollout ends as a context
     overflow before generating, and an update on no tokens must not pass for a trained policy."""
-    from pipeline.flows import rl_training
+    from pipeline.orchestration.flows import rl_training
     from schemas.config import RunConfig
 
     config = RunConfig(
@@ -394,8 +394,8 @@ def test_an_iteration_whose_prompts_all_overflow_the_context_stops_and_writes_no
 def test_a_flow_started_without_mtrl_runs_the_preflight_checks_before_any_work(tmp_path, flow_name):
     """A deployment's run starts in the flow, not in `mtrl`: a config naming an estimator no
     registry has fails there at once, before the starting model is imported or anything runs."""
-    from pipeline import flows
-    from pipeline.preflight import ConfigError
+    from pipeline.orchestration import flows
+    from pipeline.orchestration.preflight import ConfigError
     from schemas.config import RunConfig
 
     config = RunConfig(advantage={"estimator": "nonesuch"}, sft={"steps": 1}, store={"runs_dir": tmp_path})
@@ -411,12 +411,12 @@ def test_an_artifact_the_api_refuses_is_a_warning_in_the_log_not_a_failed_run():
     from prefect import flow
     from prefect.artifacts import create_table_artifact
 
-    from pipeline import artifacts
+    from pipeline.monitoring import artifacts
 
     @flow(name="refused-artifact")
     def publish_a_bad_key() -> str:
         artifacts.send(create_table_artifact, key="Not a key!", table=[{"rows": 1}])  # keys are lowercase-dashes
-        bar = artifacts.Progress.create("Not a key either", "refused too")
+        bar = artifacts.ProgressArtifact.create("Not a key either", "refused too")
         bar.finish("done")  # an update of a bar that does not exist sends nothing
         artifacts.flush()
         return "finished"
@@ -448,7 +448,7 @@ def test_artifacts_sent_late_reach_the_api_on_the_run_they_came_from(tmp_path):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from prefect.context import get_run_context
 
-    from pipeline import artifacts
+    from pipeline.monitoring import artifacts
 
     raised = threading.Event()
 
@@ -489,7 +489,7 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 from prefect.context import get_run_context
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-from pipeline import artifacts
+from pipeline.monitoring import artifacts
 
 subflow_ended = threading.Event()
 

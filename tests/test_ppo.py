@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from pipeline.evaluate import run_episodes
+from pipeline.orchestration.episodes import run_episodes
 from runtime.passes import counting_passes
 from schemas.config import RunConfig
 from schemas.features import COMPUTE_ADVANTAGES
@@ -436,7 +436,7 @@ def test_memory_settings_follow_the_model_size_unless_set():
 def test_the_size_rule_counts_the_saved_models_parameters(tiny):
     """One count for ppo-update and sft: the safetensors headers of the saved policy, equal to the
     loaded model's parameters (no weights are loaded to count them)."""
-    from pipeline.models import EMBEDDED_POLICY
+    from pipeline.models.base_model import EMBEDDED_POLICY
     from stages.policy.batching import LARGE_MODEL_PARAMETERS, large_model
     from stages.policy.loading import load_model, parameter_count
 

@@ -1,4 +1,4 @@
-"""Every Prefect internal mtrl relies on (pipeline/prefect_patches.py), checked against the
+"""Every Prefect internal mtrl relies on (pipeline/prefect_plumbing/patches.py), checked against the
 installed Prefect: a release that moves one fails here, naming it, instead of in a run."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 
-from pipeline import prefect_patches
+from pipeline.prefect_plumbing import patches as prefect_patches
 
 
 def test_sqlite_transactions_begin_immediately_when_asked_for_update():

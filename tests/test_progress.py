@@ -1,4 +1,4 @@
-"""Where a run is, on its terminal (pipeline/progress.py): a live line on a terminal, plain lines
+"""Where a run is, on its terminal (pipeline/monitoring/progress.py): a live line on a terminal, plain lines
 elsewhere, and Prefect's per-run log lines in the run's log file instead of the console."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.progress import Progress
+from pipeline.monitoring.progress import TerminalProgress
 from schemas.manifest import Manifest
 
 
@@ -24,7 +24,7 @@ def manifest(stage: str, **fields) -> Manifest:
 
 def test_a_plain_line_per_stage_with_iteration_turn_active_rollouts_tokens_per_second_and_eta():
     out = io.StringIO()  # not a terminal: plain lines
-    progress = Progress(iterations=2, stream=out, live=False)
+    progress = TerminalProgress(iterations=2, stream=out, live=False)
     progress.started("generate-rollouts", {"iteration": 0, "turn": 1})
     progress.finished("generate-rollouts", manifest("generate-rollouts", wall_s=2.0, tokens={"completion": 3000}))
     progress.started("execute-tools", {"iteration": 0, "turn": 1})

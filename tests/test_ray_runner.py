@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.store import Store
+from pipeline.store.versions import Store
 
 pytestmark = pytest.mark.slow
 ARGS = ["--iterations", "1", "--task", "calculator,weather", "--rollouts", "8", "--group-size", "4", "--max-turns", "3"]
@@ -46,7 +46,7 @@ def test_the_ray_runner_refuses_to_start_without_a_prefect_api():
     """Without an API each Ray worker would start its own temporary server: a clear error instead."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from pipeline.runners import stage_runner
+    from pipeline.orchestration.runners import stage_runner
     from runtime.ray import RunnerError
     from schemas.config import RunnerConfig
 

@@ -11,7 +11,7 @@ import pytest
 import reasoning_gym
 from reasoning_gym.utils import extract_answer
 
-from pipeline.store import Store
+from pipeline.store.versions import Store
 from schemas.config import RunConfig
 from stages.generate_rollouts import GenerateSettings
 from stages.generate_rollouts import rollout_starts as starts_of
@@ -44,7 +44,7 @@ def environment(config: RunConfig, name: str):
 
 
 def check_environments(config: RunConfig) -> None:
-    """The task checks of a run's pre-flight (pipeline/preflight.py)."""
+    """The task checks of a run's pre-flight (pipeline/orchestration/preflight.py)."""
     per_task = {"task.options": list(config.task.options), "task.tools": list(config.task.tools)}
     check_run_tasks([Tasks.resolve(config)], config.tools.sandbox, per_task)
 
@@ -99,7 +99,7 @@ def test_the_package_version_and_the_settings_version_the_stages_they_shape():
 
 
 def test_evaluation_tasks_come_from_other_seeds_than_training():
-    from pipeline.cli import EVAL_ITERATION
+    from pipeline.cli.main import EVAL_ITERATION
 
     config = RunConfig(task={"name": task_name("gcd"), "rollouts": 64, "group_size": 1})
     seeds = {json.loads(start["task_payload"])["seed"] for it in range(5) for start in rollout_starts(config, it)}
@@ -139,7 +139,7 @@ def test_demonstrations_answer_with_the_gold_answer_and_warm_start(tiny):
 @pytest.mark.slow
 @pytest.mark.usefixtures("prefect_server")
 def test_one_iteration_on_twelve_generators_scores_every_answer_with_the_package(tmp_path):
-    from pipeline.flows import rl_training
+    from pipeline.orchestration.flows import rl_training
 
     names = ",".join(task_name(generator) for generator in GENERATORS)
     config = RunConfig(

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import main
-from pipeline.store import Store
+from pipeline.cli.main import main
+from pipeline.store.versions import Store
 
 pytestmark = pytest.mark.slow
 # Three iterations: each restart adds a few versions before its kill (the later turns of a

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.retention import PrunedStateError, prune_optimizer_states, pruned_optimizer_state
-from pipeline.stage_table import POLICY
-from pipeline.store import Store, StoreError
+from pipeline.orchestration.stage_table import POLICY
+from pipeline.store.retention import PrunedStateError, prune_optimizer_states, pruned_optimizer_state
+from pipeline.store.versions import Store, StoreError
 from stages.ppo_update.checkpoint import OPTIMIZER_FILE
 
 
@@ -67,7 +67,7 @@ def test_a_prune_landing_while_a_policy_is_checked_is_no_corruption(tmp_path, mo
     """With ppo.max_staleness the batch made ahead checks the policy it generates with while the
     update beside it prunes older AdamW states: a prune that lands between the check's reading of
     the manifest and of the files (injected here) is read from the manifest, not called corruption."""
-    import pipeline.store as store_module
+    import pipeline.store.versions as store_module
 
     store = Store(tmp_path)
     write_policy(store, "p")
@@ -95,7 +95,7 @@ def killed_pruner(runs_dir: Path, version: str, kill_at: str) -> None:
     }[kill_at]
     script = (
         "import os, pathlib\n"
-        "from pipeline.store import Store\n"
+        "from pipeline.store.versions import Store\n"
         f"{inject}"
         f"Store({str(runs_dir)!r}).prune('policy', {version!r}, [{OPTIMIZER_FILE!r}], 'killed')\n"
     )
@@ -164,8 +164,8 @@ def test_a_retention_pass_killed_midway_is_finished_by_the_next(tmp_path):
         previous = f"p{k}"
     script = (
         "import os, pathlib\n"
-        "from pipeline.retention import prune_optimizer_states\n"
-        "from pipeline.store import Store\n"
+        "from pipeline.store.retention import prune_optimizer_states\n"
+        "from pipeline.store.versions import Store\n"
         "pathlib.Path.unlink = lambda self, missing_ok=False: os.kill(os.getpid(), 9)\n"
         f"prune_optimizer_states(Store({str(tmp_path)!r}), 'p3', keep=1)\n"
     )
@@ -184,7 +184,7 @@ def test_a_retention_pass_killed_midway_is_finished_by_the_next(tmp_path):
 @pytest.fixture(scope="module")
 def keeping_one(tmp_path_factory, prefect_server):
     """Two iterations keeping one AdamW state: the policy of iteration 0 is pruned after iteration 1."""
-    from pipeline.flows import rl_training
+    from pipeline.orchestration.flows import rl_training
     from schemas.config import RunConfig
 
     config = RunConfig(
@@ -199,8 +199,8 @@ def keeping_one(tmp_path_factory, prefect_server):
 
 @pytest.mark.slow  # keeping_one: a run of three iterations
 def test_a_run_keeping_one_state_prunes_the_older_policy_and_resumes(keeping_one, tmp_path):
-    from pipeline.compare import compare_runs
-    from pipeline.flows import rl_training
+    from pipeline.orchestration.flows import rl_training
+    from pipeline.store.diff import compare_runs
 
     config, (first, second), store = keeping_one
     assert pruned(store) == {first["next_policy"]}  # not the starting model, which never had one
@@ -229,7 +229,7 @@ def test_a_run_keeping_one_state_prunes_the_older_policy_and_resumes(keeping_one
 
 @pytest.mark.slow  # keeping_one
 def test_continuing_a_pruned_state_fails_clearly_and_the_flag_starts_a_fresh_adamw(keeping_one):
-    from pipeline.flows import rerun_stage
+    from pipeline.orchestration.flows import rerun_stage
 
     config, (first, second), store = keeping_one
     source = f"compute-advantages/{second['versions']['compute-advantages']}"  # trained from first's policy

@@ -42,8 +42,8 @@ def test_prefect_results_are_json_never_pickle():
     """Every stage runs as the one stage task, configured per stage: its results stay JSON."""
     from pathlib import Path
 
-    from pipeline.stage_runs import configured_task, stage_task
-    from pipeline.stage_table import STAGES
+    from pipeline.orchestration.stage_runs import configured_task, stage_task
+    from pipeline.orchestration.stage_table import STAGES
 
     for task in (stage_task, *(configured_task(name, True, Path("/tmp/results")) for name in STAGES)):
         serializer = task.result_serializer

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from pipeline.models import EMBEDDED_POLICY
+from pipeline.models.base_model import EMBEDDED_POLICY
 from schemas.config import RunConfig
 from schemas.token_stream import rollouts
 from stages.environments import ENVIRONMENTS, CalculatorEnv, Environment
@@ -86,8 +86,8 @@ def test_greedy_rollouts_of_the_calculator_expert_are_its_demonstrations_token_f
     """The committed expert checkpoint was trained on calculator demonstrations: decoding it
     greedily through the rollout machinery (generate-rollouts, execute-tools) gives, for the
     rollouts it solves, exactly the tokens of their tasks' demonstrations, targets included."""
-    from pipeline.embedded.build import EXPERT_DIR
-    from pipeline.evaluate import run_episodes
+    from pipeline.cli.embedded_build import EXPERT_DIR
+    from pipeline.orchestration.episodes import run_episodes
     from stages.generate_rollouts.hf import HFEngine
     from stages.policy.loading import eos_token_ids
 
@@ -173,9 +173,9 @@ def test_a_steps_gradient_over_packed_passes_of_a_token_budget_is_the_one_pass_g
 def test_the_warm_start_is_versioned_apart_from_the_rl_stages():
     """sft's settings reach the RL stages only through the policy it writes; its own version
     follows its demonstrations' task mix (sft.task, else task.name)."""
-    from pipeline.stage_runs import settings_of
-    from pipeline.stage_table import STAGES
-    from pipeline.stage_table import stage_version as version_of
+    from pipeline.orchestration.stage_runs import settings_of
+    from pipeline.orchestration.stage_table import STAGES
+    from pipeline.orchestration.stage_table import stage_version as version_of
 
     def stage_version(config: RunConfig, name: str, parents: dict, position: dict) -> str:
         return version_of(name, settings_of(name, config), parents, position)
@@ -195,7 +195,7 @@ def test_the_warm_start_is_versioned_apart_from_the_rl_stages():
 
 
 def test_mtrl_sft_without_steps_or_with_an_unknown_task_is_one_line(tmp_path, capsys):
-    from pipeline.cli import main
+    from pipeline.cli.main import main
 
     runs = str(tmp_path / "runs")
     assert main(["sft", "--runs-dir", runs]) == 2
@@ -223,10 +223,10 @@ def test_a_task_without_demonstrations_cannot_warm_start():
 def test_rl_starts_from_the_stored_warm_start_which_is_its_kl_reference(small_config):
     import shutil
 
-    from pipeline.flows import rl_training, warm_start
-    from pipeline.lineage import reference_policy
-    from pipeline.stage_table import POLICY
-    from pipeline.store import Store
+    from pipeline.orchestration.flows import rl_training, warm_start
+    from pipeline.orchestration.stage_table import POLICY
+    from pipeline.store.lineage import reference_policy
+    from pipeline.store.versions import Store
 
     config = small_config.with_overrides({"sft.steps": 2, "sft.batch_size": 2, "ppo.kl_coef": 0.05})
     store = Store(config.store.runs_dir)

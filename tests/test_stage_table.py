@@ -8,10 +8,10 @@ import inspect
 import datasets
 import pytest
 
-from pipeline.lineage import input_of
-from pipeline.stage_runs import settings_of
-from pipeline.stage_table import POLICY, ROOT, STAGES, code_version, rerun_map, stage_version
-from pipeline.store import Store
+from pipeline.orchestration.stage_runs import settings_of
+from pipeline.orchestration.stage_table import POLICY, ROOT, STAGES, code_version, rerun_map, stage_version
+from pipeline.store.lineage import input_of
+from pipeline.store.versions import Store
 from schemas.config import RunConfig
 from schemas.stage import Output, Settings
 
@@ -36,7 +36,7 @@ def test_every_stage_declaration_is_whole():
 
 
 def test_the_rerun_map_is_the_declarations_and_mtrl_stage_offers_it():
-    from pipeline.cli import RerunnableStages
+    from pipeline.cli.main import RerunnableStages
 
     assert list(RerunnableStages()) == list(rerun_map())
     assert rerun_map() == {
@@ -140,7 +140,7 @@ def test_reading_the_store_imports_neither_prefect_nor_torch(tmp_path):
     rows = datasets.Dataset.from_dict({"x": [1]})
     store.write("assign-rewards", "a1", lambda tmp: rows.save_to_disk(str(tmp)) or {}, {"iteration": 0})
     code = (
-        "import sys; from pipeline.cli import main\n"
+        "import sys; from pipeline.cli.main import main\n"
         f"for command in (['ls'], ['show', 'assign-rewards/a1'], ['lineage', 'assign-rewards/a1']):\n"
         f"    assert main([*command, '--runs-dir', {str(tmp_path)!r}]) == 0\n"
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {(*HEAVY, 'torch', 'transformers', 'stages')!r}))"
@@ -158,8 +158,8 @@ def test_a_run_of_mtrls_own_tasks_imports_no_ecosystem_package():
     import sys
 
     code = (
-        "import sys\nfrom schemas.config import RunConfig\nfrom pipeline.stage_runs import settings_of\n"
-        "from pipeline.stage_table import stage_version\n"
+        "import sys\nfrom schemas.config import RunConfig\nfrom pipeline.orchestration.stage_runs import settings_of\n"
+        "from pipeline.orchestration.stage_table import stage_version\n"
         "from stages.generate_rollouts import GenerateSettings, rollout_starts\n"
         "config = RunConfig(task={'name': 'calculator,weather,guess-number'})\n"
         "rollout_starts(GenerateSettings.resolve(config), 0)\n"

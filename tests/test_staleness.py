@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from pipeline.flows import rl_training
-from pipeline.lineage import generating_policy, policy_before, policy_chain
-from pipeline.store import Store
+from pipeline.orchestration.flows import rl_training
+from pipeline.store.lineage import generating_policy, policy_before, policy_chain
+from pipeline.store.versions import Store
 from schemas.config import RunConfig
 from stages.generate_rollouts.engine import ENGINE
 
@@ -102,7 +102,7 @@ def test_a_value_head_and_lora_adapters_built_beside_the_next_batch_give_the_sam
     """With K = 1 the next batch's advantages (GAE: a value head built and scored) are made while
     ppo-update builds its LoRA adapters and value head: both draw from torch's global generator
     and transformers patches torch.nn.init while it loads. Two runs must still be the same bytes."""
-    from pipeline.cli import main
+    from pipeline.cli.main import main
 
     runs = []
     for name in ("a", "b"):
@@ -125,9 +125,9 @@ def test_an_audit_failure_in_the_batch_made_ahead_fails_its_own_iteration_after_
     failure is rl-iteration 2's, whose ppo-update audits the batch before it trains."""
     from prefect.client.orchestration import get_client
 
-    from pipeline import stage_runs
-    from pipeline.audit import AuditError
-    from pipeline.retention import pruned_optimizer_state
+    from pipeline.orchestration import stage_runs
+    from pipeline.store.audit import AuditError
+    from pipeline.store.retention import pruned_optimizer_state
 
     config = small_config.with_overrides({"store.keep_optimizer_state": 1})
     audited = []

@@ -11,7 +11,7 @@ import time
 import datasets
 import pytest
 
-from pipeline.store import Store, StoreError
+from pipeline.store.versions import Store, StoreError
 from runtime.hashing import version_key
 from schemas import features
 from schemas.config import RunConfig
@@ -85,7 +85,7 @@ def test_a_failing_write_leaves_nothing(tmp_path):
 
 def test_a_killed_writer_leaves_only_a_hidden_temporary_folder_that_is_cleaned(tmp_path):
     script = (
-        "import os, sys; from pipeline.store import Store\n"
+        "import os, sys; from pipeline.store.versions import Store\n"
         "def fill(folder):\n"
         "    (folder / 'data.arrow').write_bytes(b'x')\n"
         "    os.kill(os.getpid(), 9)\n"
@@ -106,7 +106,7 @@ def killed_writer(runs_dir, version: str, hostname: str | None = None) -> None:
     `hostname`, as if it ran on another node of a cluster sharing the filesystem."""
     pretend = f"import socket; socket.gethostname = lambda: {hostname!r}\n" if hostname else ""
     script = pretend + (
-        "import os; from pipeline.store import Store\n"
+        "import os; from pipeline.store.versions import Store\n"
         "def fill(folder):\n"
         "    os.kill(os.getpid(), 9)\n"
         f"Store({str(runs_dir)!r}).write('generate-rollouts', {version!r}, fill, {{'parents': {{}}}})\n"

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import textarena
 
-from pipeline.store import Store
+from pipeline.store.versions import Store
 from schemas.config import RunConfig
 from stages.environments import ReplayError
 from stages.registry import Tasks, check_tasks
@@ -111,7 +111,7 @@ def test_a_game_that_cannot_run_here_is_refused_at_run_start(game, reason):
 def test_one_iteration_of_five_games_and_a_turn_re_runs_to_the_same_bytes_elsewhere(tmp_path):
     from rerun import rerun_turn_elsewhere
 
-    from pipeline.flows import rl_training
+    from pipeline.orchestration.flows import rl_training
 
     names = [f"textarena/{game}" for game in GAMES]
     config = RunConfig(

@@ -23,14 +23,14 @@ import psutil
 from runtime.threads import use_threads
 use_threads(1)  # torch caps the OMP_NUM_THREADS it reads at the cores; its default here: one per core
 import torch
-from pipeline import prefect_servers
+from pipeline.prefect_plumbing import servers as prefect_servers
 from stages.execute_tools.calls import ToolCall, run_tool_calls
 import toolbox
 
 call = ToolCall(name="thread_environment", arguments={}, id="0")
 (result,) = run_tool_calls([call], {"thread_environment": toolbox.thread_environment}, timeout_s=60)
 with prefect_servers.local_server(Path(tempfile.mkdtemp())):
-    (server,) = [p for p in psutil.Process().children(recursive=True) if "prefect_api_server" in " ".join(p.cmdline())]
+    (server,) = [p for p in psutil.Process().children(recursive=True) if "prefect_plumbing.api_server" in " ".join(p.cmdline())]
     server_threads = server.environ().get("OMP_NUM_THREADS")
 print(json.dumps({"torch": torch.get_num_threads(), "tool_worker": result.content, "prefect_server": server_threads}))
 """

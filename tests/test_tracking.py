@@ -1,4 +1,4 @@
-"""Experiment trackers (pipeline/tracking.py): each tracker's own reader gets back what a real
+"""Experiment trackers (pipeline/monitoring/tracking.py): each tracker's own reader gets back what a real
 `mtrl run` logged (TensorBoard's EventAccumulator, MlflowClient on an `mlflow server` this module
 starts, W&B's offline run files read by W&B's own datastore reader, trackio's local store).
 
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import main
-from pipeline.report import iterations
-from pipeline.store import Store
-from pipeline.tracking import TRAJECTORY_COLUMNS
+from pipeline.cli.main import main
+from pipeline.monitoring.report import iterations
+from pipeline.monitoring.tracking import TRAJECTORY_COLUMNS
+from pipeline.store.versions import Store
 from schemas.config import RunConfig
 
 pytestmark = pytest.mark.slow
@@ -45,7 +45,7 @@ ARGS = [
 STEPS = [0, 1, 2, 3]  # three iterations of `mtrl run`, then one of a deployment's run
 DEPLOYMENT_RUN = """
 import sys
-from pipeline.flows import rl_iteration
+from pipeline.orchestration.flows import rl_iteration
 from schemas.config import RunConfig
 rl_iteration(RunConfig.model_validate_json(sys.argv[1]))  # no iteration, no policy: the store's newest
 """

@@ -8,10 +8,10 @@ from __future__ import annotations
 import datasets
 import pytest
 
-from pipeline.lineage import load_turns
-from pipeline.models import import_base_policy
-from pipeline.stage_runs import run_stage
-from pipeline.store import Store
+from pipeline.models.base_model import import_base_policy
+from pipeline.orchestration.stage_runs import run_stage
+from pipeline.store.lineage import load_turns
+from pipeline.store.versions import Store
 from runtime.phases import PHASES
 from schemas.config import RunConfig
 from schemas.stage import POLICY

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from test_viewer_data import MARKUP, TOOL_RESULT, hand_built_store
 
-from pipeline.cli import main
-from pipeline.flows import rl_training
-from pipeline.stage_table import ROOT
+from pipeline.cli.main import main
+from pipeline.orchestration.flows import rl_training
+from pipeline.orchestration.stage_table import ROOT
 from schemas.config import RunConfig
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""`mtrl view`'s data (pipeline/viewer.py): an iteration of a store read into the page's JSON, and the
+"""`mtrl view`'s data (pipeline/monitoring/viewer.py): an iteration of a store read into the page's JSON, and the
 page that carries it. The browser's side is tests/test_viewer.py."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.models import EMBEDDED_POLICY
-from pipeline.store import Store
-from pipeline.viewer import DATA_MARK, LOG_LINES_SHOWN, PAGE, iteration_view, page
+from pipeline.models.base_model import EMBEDDED_POLICY
+from pipeline.monitoring.viewer import DATA_MARK, LOG_LINES_SHOWN, PAGE, iteration_view, page
+from pipeline.store.versions import Store
 from schemas.features import AGENT_STATE, COMPUTE_ADVANTAGES, GENERATE_ROLLOUTS, dataset_from_rows
 from schemas.manifest import StoreError
 from schemas.stage import POLICY

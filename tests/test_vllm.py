@@ -1,14 +1,12 @@
 """The vLLM engine on vLLM's CPU build (.venv-vllm, built by `make setup`): real servers, token
 ids in and out, logprobs under the stored convention, seeds, stop strings, in-place weight updates
-equal to a fresh server, broken updates failing the iteration, a server killed mid-turn. Slow: four
-server starts (30-50 s each on 2 cores, mostly vLLM's imports in three processes), ~4 minutes."""
+equal to a fresh server, broken updates failing the iteration. The tests share one server (the module's);
+a server killed under a run, and a run killed over its server, are test_vllm_runs.py's. Slow: a server
+starts in 30-50 s on 2 cores, mostly vLLM's imports in three processes."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,10 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.evaluate import run_episodes
-from pipeline.lineage import generating_policy
-from pipeline.models import EMBEDDED_POLICY
-from pipeline.store import Store
+from pipeline.models.base_model import EMBEDDED_POLICY
+from pipeline.orchestration.episodes import run_episodes
+from pipeline.store.versions import Store
 from runtime.vllm_server import EngineError
 from schemas.config import RunConfig
 from schemas.features import FinishReason
@@ -27,7 +24,6 @@ from schemas.token_stream import prompt_token_ids, rollouts
 from stages.generate_rollouts import sampling_seed
 from stages.generate_rollouts.engine import EngineSettings, Request, Sampling, open_engine
 from stages.generate_rollouts.vllm_engine import served_checkpoint
-from stages.policy.loading import load_model
 from stages.policy.scoring import score_rollouts
 
 pytestmark = pytest.mark.slow
@@ -195,104 +191,6 @@ def test_an_update_that_loads_other_weights_fails_before_generating(engine, tmp_
         engine.load_policy(EMBEDDED_POLICY)
 
 
-def mtrl_run(runs_dir: Path, env: dict, *flags: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "pipeline.cli", "run", "--runs-dir", str(runs_dir), "--engine", "vllm"]
-    command += ["--iterations", "2", "--rollouts", "16", "--group-size", "4", "--max-turns", "3"]
-    command += ["--set", "generation.max_new_tokens=64", "--set", "audit.rescore_fraction=1.0", *flags]
-    command += ["--set", f"vllm.gpu_memory_utilization={SMALL_SERVER['gpu_memory_utilization']}"]
-    return subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-
-
-def server_pids(runs_dir: Path) -> list[int]:
-    """The vLLM API servers started for this runs dir (their command line names a policy in it)."""
-    pids = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"vllm.entrypoints.openai.api_server" in args and any(str(runs_dir).encode() in a for a in args):
-            pids.append(int(cmdline.parent.name))
-    return pids
-
-
-def test_a_server_killed_mid_turn_fails_the_run_clearly_and_the_same_command_resumes(tmp_path, prefect_server_env):
-    """Then the resumed run trains two iterations on one server, updated in place to the newest
-    policy, and every stored logprob matches an HF recompute under its generating policy.
-    guess-number: its rollouts are still active after turn 0, so the kill lands in turn 1."""
-    runs = tmp_path / "runs"
-    run = mtrl_run(runs, prefect_server_env, "--task", "guess-number")
-    deadline = time.monotonic() + 300
-    while not list((runs / "execute-tools").glob("[0-9a-f]*")) and time.monotonic() < deadline:
-        assert run.poll() is None, run.communicate()[0][-3000:]
-        time.sleep(0.2)
-    (first_turn,) = list((runs / "execute-tools").glob("[0-9a-f]*"))  # turn 0 is written; turn 1 is generating
-    written = (first_turn / "manifest.json").read_bytes()
-    (pid,) = server_pids(runs)
-    os.killpg(pid, signal.SIGKILL)
-    output = run.communicate(timeout=300)[0]
-    assert run.returncode != 0
-    assert "the vLLM server at http://127.0.0.1:" in output and "killed by signal 9" in output, output[-3000:]
-    assert str(runs / "logs" / "vllm-") in output
-    assert server_pids(runs) == []  # nothing left running
-
-    resumed = mtrl_run(runs, prefect_server_env, "--task", "guess-number")
-    output = resumed.communicate(timeout=900)[0]
-    assert resumed.returncode == 0, output[-3000:]
-    assert (first_turn / "manifest.json").read_bytes() == written  # what was written stayed, and was reused
-    assert server_pids(runs) == []
-
-    store = Store(runs)
-    updates = sorted(store.versions("ppo-update"), key=lambda m: m.iteration)
-    assert [m.iteration for m in updates] == [0, 1]
-    for update in updates:
-        assert update.extra("audit")["rescore_max_abs_diff"] <= TOLERANCE
-        generating = generating_policy(store, "compute-advantages", update.parents["compute-advantages"])
-        turns = store.load("compute-advantages", update.parents["compute-advantages"])
-        assert set(turns["policy_version"]) == {generating}
-        policy = load_model(store.policy_dir(generating), "float32", "cpu")
-        assert max_logprob_difference(policy, turns) < TOLERANCE
-    engines = {m.iteration: m.extra("provenance")["engine"] for m in store.versions("generate-rollouts")}
-    assert engines[0]["name"] == "vllm" and engines[0]["logprobs_mode"] == "processed_logprobs"
-    assert engines[0]["weight_update"] == "in_place" and engines[0]["version"].startswith("vllm")
-    # iteration 1 was generated by the policy iteration 0 wrote, after an in-place update, verified
-    assert updates[1].parents["policy"] == updates[0].policy
-    assert engines[1]["policy_update"]["how"] == "in place (reload_checkpoint)"
-    assert engines[1]["policy_update"]["probe_max_abs_diff"] <= 1e-4
-    (log,) = (runs / "logs").glob("vllm-*.log")
-    starts = [line for line in log.read_text().splitlines() if line.startswith("$ ")]
-    assert len(starts) == 2  # one server per run: the killed one and the resumed one
-
-
-def test_a_sigkilled_mtrl_takes_its_vllm_server_and_engine_processes_along(tmp_path, prefect_server_env):
-    """mtrl stops its server at exit; a SIGKILLed mtrl runs no exit hook, so the kernel sends the
-    server SIGTERM (it stops its engine processes) when the thread that started it ends."""
-    import psutil
-
-    runs = tmp_path / "runs"
-    run = mtrl_run(runs, prefect_server_env)
-    deadline = time.monotonic() + 300
-    while not list((runs / "generate-rollouts").glob("[0-9a-f]*")) and time.monotonic() < deadline:
-        assert run.poll() is None, run.communicate()[0][-3000:]
-        time.sleep(0.2)
-    (server,) = server_pids(runs)  # up and generating: its engine processes exist
-    group = [p for p in psutil.process_iter() if p.pid != server and _process_group(p.pid) == server]
-    assert group, "the vLLM server started no engine process"
-    run.kill()  # mtrl only: the server has its own process group
-    run.communicate()
-    _, alive = psutil.wait_procs([psutil.Process(server), *group], timeout=60)
-    assert not alive, f"outlived the SIGKILLed mtrl: {[p.cmdline()[:3] for p in alive]}"
-
-
-def _process_group(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except ProcessLookupError:
-        return None
-
-
 def test_a_broken_update_fails_the_iteration_and_stores_no_rollouts_from_it(
     engine, tmp_path, prefect_server, monkeypatch
 ):
@@ -301,7 +199,7 @@ def test_a_broken_update_fails_the_iteration_and_stores_no_rollouts_from_it(
     and the iteration fails naming the update. (vLLM's own reload_weights, used for a server at
     vllm.url, also leaves the tied lm_head stale on the CPU build: the probe would catch that too,
     but the test does not count on it.)"""
-    from pipeline.flows import rl_training
+    from pipeline.orchestration.flows import rl_training
     from stages.generate_rollouts import vllm_engine
     from stages.generate_rollouts.engine import ENGINE
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = REPO / ".venv-verifiers" / "bin" / "python"
-TOKENIZER = REPO / "pipeline" / "embedded" / "policy"  # the embedded policy's tokenizer files
+TOKENIZER = REPO / "pipeline" / "models" / "embedded" / "policy"  # the embedded policy's tokenizer files
 RENDERER = {"name": "qwen3"}  # renders the policy's chat template (enable_thinking on, mtrl's default)
 MAX_TURNS = 4  # the calculator's turn limit: mtrl refuses calls past it
 TIMEOUT_S = 240.0  # one verifiers rollout, start-up included (below mtrl's agent.timeout_s)

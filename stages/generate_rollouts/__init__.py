@@ -211,6 +211,8 @@ def provenance(settings: GenerateSettings, tokenizer: Any) -> dict[str, Any]:
 
 # The streams of each turn's rollouts before it, by the generate-rollouts version of that turn: the
 # next turn extends them by that turn's rows. A few versions: one or two iterations generate at once.
+# Module-level because each turn is a separate call of the stage (a Prefect task) that gets datasets, not
+# objects; a process that does not hold a turn's streams rebuilds them from the store (streams_before).
 STREAMS: OrderedDict[str, dict[int, list[int]]] = OrderedDict()
 STREAMS_KEPT = 4
 

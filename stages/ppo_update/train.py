@@ -82,7 +82,7 @@ class PPOSettings(Settings):
     # which logprobs generation stored: the hf engine in float32 stores the policy's own
     generation_engine: str = read("generation.engine")
     generation_dtype: str = read("model.dtype")
-    # A fresh AdamW in place of a pruned state (pipeline/retention.py): on only where it takes effect.
+    # A fresh AdamW in place of a pruned state (pipeline/store/retention.py): on only where it takes effect.
     fresh_optimizer: bool = read("store.fresh_optimizer_if_pruned")
     # Where the ranks run, not what they compute (tested equal within float rounding), and when a hung
     # job fails: not part of the version.

@@ -41,7 +41,7 @@ from typing import Any, BinaryIO, TextIO
 # The rollout whose agent runs in this asyncio task or thread: each rollout's task sets it, its sync
 # agent's thread runs in a copy of the task's context, and an agent's own tasks copy it too.
 ROLLOUT: contextvars.ContextVar[int | None] = contextvars.ContextVar("rollout", default=None)
-TAG = "[rollout {}] "  # the prefix of a rollout's lines in the agents' log (pipeline/viewer.py reads it)
+TAG = "[rollout {}] "  # the prefix of a rollout's lines in the agents' log (pipeline/monitoring/viewer.py reads it)
 
 
 @dataclass

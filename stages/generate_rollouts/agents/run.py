@@ -55,6 +55,9 @@ MODEL_NAME = "policy"  # the model name the endpoint answers to (any name is acc
 # The records of the iterations run in this process, by (policy version, iteration, settings): every
 # turn's generate-rollouts reads its calls from them. A process that lost them (a resumed run) runs
 # the agents again: seeded per rollout and call, a deterministic agent makes the same calls.
+# Module-level because a stage is a function of its inputs called once per turn (a Prefect task): no
+# object of the pipeline's lives through an iteration's turns and may be handed to it; the key names
+# the iteration, so two iterations made at once (ppo.max_staleness > 0) keep theirs apart.
 RECORDS: OrderedDict[tuple[str, int, str], dict[int, RolloutRecord]] = OrderedDict()
 RECORDS_KEPT = 2
 LOG_START = "=== agents of iteration"  # the line that starts a run of an iteration's agents in its log
@@ -66,7 +69,8 @@ EVERY_INTERFACE = ("0.0.0.0", "::", "")  # agent.host values that bind every add
 
 # An agents' process started when an iteration's agents are done, for the next iteration: Python's start
 # and openai's import (0.8 s, bench/agents.py) happen while the update trains, not when the agents'
-# calls should begin (agent.runner local only: a Ray task starts its process when it runs).
+# calls should begin (agent.runner local only: a Ray task starts its process when it runs). Module-level
+# as RECORDS is: the process outlives the stage call that started it, and the next iteration's call takes it.
 SPARE: list[PipedProcess] = []
 
 

@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import uvicorn
 from pydantic import BaseModel, ValidationError
@@ -48,12 +48,23 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from stages.generate_rollouts.agents import openai_api
 from stages.generate_rollouts.agents.protocol import ChatRequest, GenerateRequest, ResponsesRequest, refusal
 from stages.generate_rollouts.agents.record import Call, RequestError, RolloutRecord
-
-if TYPE_CHECKING:
-    from stages.generate_rollouts.agents.endpoint import Endpoint
+from stages.generate_rollouts.agents.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 Model = TypeVar("Model", bound=BaseModel)
+
+
+class Served(Protocol):
+    """What the app serves (endpoint.py's Endpoint): the iteration's rollouts, the scheduler that has the
+    engine sample their calls, and what the replies name."""
+
+    records: dict[int, RolloutRecord]
+    scheduler: Scheduler
+    tokenizer: Any
+    model: str
+    max_context_tokens: int
+    api_key: str
+
 
 # The largest body read. A call's context is at most generation.max_context_tokens (a 128k-token context
 # is ~0.5 MiB of text), so 32 MiB holds any history with room for verbose JSON and tool results, while
@@ -103,7 +114,7 @@ class KeyCheck:
         await self.app(scope, receive, send)
 
 
-def app(endpoint: Endpoint) -> Starlette:
+def app(endpoint: Served) -> Starlette:
     """The endpoint's routes, each under a rollout's path and at the root (the rollout named by an
     X-Session-ID header), behind the key check."""
     handlers = Handlers(endpoint)
@@ -139,7 +150,7 @@ class Handlers:
     """The routes' handlers: each finds the rollout, reads the body, has the scheduler answer the call and
     returns it in the route's wire format."""
 
-    def __init__(self, endpoint: Endpoint):
+    def __init__(self, endpoint: Served):
         self.endpoint = endpoint
 
     async def models(self, request: Request) -> Response:

@@ -2,7 +2,7 @@
 pyproject.toml). tests/test_prefect_patches.py checks each one against the installed Prefect and
 fails, naming it, when a release moves what it relies on.
 
-1. begin_transactions_immediately (applied by pipeline/prefect_api_server.py in the servers mtrl
+1. begin_transactions_immediately (applied by pipeline/prefect_plumbing/api_server.py in the servers mtrl
    starts): Prefect's server opens most write transactions on SQLite as BEGIN DEFERRED: they
    read, then ask for the write lock. If another connection wrote in between (the server's
    event services record task runs and events while requests arrive), SQLite refuses at once
@@ -14,13 +14,13 @@ fails, naming it, when a release moves what it relies on.
    flag selects exactly this on SQLite (a row lock on PostgreSQL, which this leaves alone).
 2. temporary_server_arguments and TEMPORARY_SERVER_ENVIRONMENT: what Prefect runs as its
    temporary server (prefect.server.api.server.SubprocessASGIServer._run_uvicorn_command), which
-   mtrl runs itself, so that it starts before `import prefect` (pipeline/prefect_servers.py).
+   mtrl runs itself, so that it starts before `import prefect` (pipeline/prefect_plumbing/servers.py).
    PREFECT__SERVER_EPHEMERAL is a private variable of Prefect's. Prefect also sets
    PREFECT__SERVER_FINAL, left out here on purpose: with FastAPI >= 0.137 all it does is one more
    full garbage collection while the server starts, which mtrl waits for.
 3. DATABASE_FILES: the files of a Prefect home's SQLite database (the default database URL's
    file and the memo of registered block types), which mtrl copies from a migrated template.
-4. call_with_own_client (pipeline/artifacts.py): an API call made through a client of the
+4. call_with_own_client (pipeline/monitoring/artifacts.py): an API call made through a client of the
    caller's own, by setting Prefect's SyncClientContext context variable.
 """
 
@@ -51,7 +51,7 @@ def begin_transactions_immediately() -> None:
 
 def temporary_server_arguments(port: int) -> list[str]:
     """`-m uvicorn ...` as Prefect runs its temporary server: the API app, no UI, on 127.0.0.1:port
-    (without `python`: pipeline/prefect_servers.py runs it through mtrl's launcher)."""
+    (without `python`: pipeline/prefect_plumbing/servers.py runs it through mtrl's launcher)."""
     prefect_parent = Path(importlib.util.find_spec("prefect").origin).parent.parent  # no `import prefect` here
     return [
         "uvicorn",

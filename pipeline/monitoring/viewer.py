@@ -2,7 +2,7 @@
 
 `iteration_view(store, iteration)` turns the stored turns of one iteration into a JSON-able dict
 (groups -> rollouts -> turns, with each completion token's id, text, logprob and advantage);
-`page(view)` puts that dict into one self-contained HTML file (pipeline/viewer_page/viewer.html:
+`page(view)` puts that dict into one self-contained HTML file (pipeline/monitoring/viewer_page/viewer.html:
 vanilla JS, no network), which `write_page` saves and `serve` answers on 127.0.0.1.
 
 Nothing is recomputed: no model runs. The policy that generated the rollouts lends its tokenizer
@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from pipeline.lineage import generating_policy
-from pipeline.store import Store
+from pipeline.store.lineage import generating_policy
+from pipeline.store.versions import Store
 from schemas.features import agent_state
 from schemas.manifest import Manifest, StoreError
 from schemas.stage import POLICY

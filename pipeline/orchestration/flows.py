@@ -4,7 +4,7 @@
     tasks ─────┴─> [generate-rollouts]_t ─> [execute-tools]_t   for t = 0..T-1 (active rollouts)
                                          └─> [assign-rewards] ─> [compute-advantages] ─> [ppo-update] ─> policy vN+1
 
-Each stage runs as a Prefect task (pipeline/stage_runs.py) that writes one version of its dataset;
+Each stage runs as a Prefect task (pipeline/orchestration/stage_runs.py) that writes one version of its dataset;
 the flows pass versions, and the store on disk holds the data.
 
 With ppo.max_staleness K > 0 the rollouts of iteration i come from policy max(0, i - K), and
@@ -17,7 +17,7 @@ while iteration i trains:
 
 import contextvars
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -25,15 +25,16 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from pipeline import artifacts, lineage, retention, tracking
-from pipeline.artifacts import generation_progress, publish_summary
-from pipeline.models import starting_policy
-from pipeline.prefect_settings import flow_heartbeats
-from pipeline.preflight import check_config
-from pipeline.runners import stage_runner
-from pipeline.stage_runs import open_engine, run_stage, settings_of
-from pipeline.stage_table import POLICY, STAGES, rerun_map
-from pipeline.store import Store
+from pipeline.models.base_model import import_base_policy
+from pipeline.monitoring import artifacts, tracking
+from pipeline.monitoring.artifacts import generation_progress, publish_summary
+from pipeline.orchestration.preflight import check_config
+from pipeline.orchestration.runners import stage_runner
+from pipeline.orchestration.stage_runs import open_engine, run_stage, settings_of
+from pipeline.orchestration.stage_table import POLICY, STAGES, rerun_map
+from pipeline.prefect_plumbing.settings import flow_heartbeats
+from pipeline.store import lineage, retention
+from pipeline.store.versions import Store
 from runtime.interrupt import INTERRUPTED
 from runtime.phases import PHASES
 from runtime.threads import use_threads
@@ -61,6 +62,15 @@ def flow_start(config: RunConfig) -> Store:
     use_threads(config.runner.threads, overlapping=config.stages_overlap())
     check_config(config)
     return Store(config.store.runs_dir)
+
+
+def starting_policy(store: Store, config: RunConfig) -> str:
+    """The policy RL starts from (and the KL reference): the imported model, or with sft.steps > 0
+    its warm start (a stored version: the same settings on the same model train once)."""
+    base = import_base_policy(store, config)
+    if config.sft.steps == 0:
+        return base
+    return run_stage(config, "sft", {POLICY: base}).policy
 
 
 @flow(name="rl-iteration")
@@ -101,8 +111,9 @@ def rl_iteration(
                 batch.metrics["reward_mean"] or 0,
                 batch.metrics["success_rate"] or 0,
             )
-            publish_summary(store, updated.policy, plot=plot)
-            tracking.log_iteration(config, store, updated.policy)  # copied to tracking.backends
+            made_by_iteration = lineage.iteration_versions(store, updated.policy)  # the run so far, read once
+            publish_summary(store, made_by_iteration, plot=plot)
+            tracking.log_iteration(config, store, made_by_iteration)  # copied to tracking.backends
     return {
         "iteration": iteration,
         "policy": policy_version,
@@ -165,13 +176,26 @@ class StoppedError(Exception):
     """The work of one thread of an overlapped iteration, ended because the other one failed."""
 
 
-def made_beside(config: RunConfig, iteration: int, policy: str, runner: Any) -> AbstractContextManager[Future]:
-    """Iteration `iteration`'s experience, made in a thread beside the block (in_background). Its
-    engine is opened (or updated and verified) here, in the flow's thread, before the thread
-    starts: the hf engine loads its model in model.dtype, and a load sets the process's default
-    dtype, which must not change while ppo-update's forward passes run beside it."""
+@contextmanager
+def made_beside(config: RunConfig, iteration: int, policy: str, runner: Any) -> Iterator[Future]:
+    """Iteration `iteration`'s experience, made in a thread while the block runs, inside this flow run
+    (its task runs are this run's, shown running beside the block's), and waited for at the block's end;
+    yields its future. Its engine is opened (or updated and verified) here, in the flow's thread, before
+    the thread starts: the hf engine loads its model in model.dtype, and a load sets the process's
+    default dtype, which must not change while ppo-update's forward passes run beside it. The block's own
+    error (Ctrl-C included) sets the thread's `stop` and is raised once it has stopped at its next
+    boundary."""
     open_engine(config, policy)
-    return in_background(experience, config, iteration, policy, runner)
+    stop = threading.Event()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix=AHEAD_THREAD) as pool:
+        done = pool.submit(contextvars.copy_context().run, experience, config, iteration, policy, runner, stop)
+        try:
+            yield done
+            wait([done])  # a Ctrl-C while waiting lands in the except below
+        except BaseException:
+            stop.set()
+            wait([done])
+            raise
 
 
 def made_ahead(made: Future | None) -> Experience | None:
@@ -187,24 +211,6 @@ def made_ahead(made: Future | None) -> Experience | None:
         raise failure
     get_run_logger().warning("the next iteration's experience, made beside this update, failed (%s)", failure)
     return None
-
-
-@contextmanager
-def in_background(function: Callable[..., Any], *args: Any) -> Iterator[Future]:
-    """Run function(*args, stop) in a thread while the block runs, inside this flow run (its task
-    runs are this run's, shown running beside the block's), and wait for it at the block's end;
-    yields its future. The block's own error (Ctrl-C included) sets `stop` and is raised once the
-    thread has stopped at its next boundary."""
-    stop = threading.Event()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix=AHEAD_THREAD) as pool:
-        done = pool.submit(contextvars.copy_context().run, function, *args, stop)
-        try:
-            yield done
-            wait([done])  # a Ctrl-C while waiting lands in the except below
-        except BaseException:
-            stop.set()
-            wait([done])
-            raise
 
 
 @flow(name="rl-training")

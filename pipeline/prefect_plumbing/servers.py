@@ -1,5 +1,5 @@
 """The Prefect API servers mtrl starts for itself, each a child process that never outlives it
-(runtime/processes.py), run through pipeline/prefect_api_server.py:
+(runtime/processes.py), run through pipeline/prefect_plumbing/api_server.py:
 
 - start_api: the API a run reports to: PREFECT_API_URL when set; else, for the Ray runner, a
   local `prefect server start` (local_server: Ray workers are other processes and must all
@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from pipeline import prefect_patches
-from pipeline.prefect_settings import configure, prefect_home
+from pipeline.prefect_plumbing import patches as prefect_patches
+from pipeline.prefect_plumbing.settings import configure, prefect_home
 from runtime.cache import cache_dir
 from runtime.processes import dies_with_this_thread, free_port
 
@@ -45,9 +45,9 @@ def starting_alone(home: str | Path) -> Iterator[None]:
 
 
 def launched(*module_and_args: str) -> list[str]:
-    """`python -m MODULE ARGS...` as mtrl's server launcher runs it (pipeline/prefect_api_server.py:
+    """`python -m MODULE ARGS...` as mtrl's server launcher runs it (pipeline/prefect_plumbing/api_server.py:
     it imports without garbage collection, and its SQLite transactions wait for the lock)."""
-    return [sys.executable, "-m", "pipeline.prefect_api_server", *module_and_args]
+    return [sys.executable, "-m", "pipeline.prefect_plumbing.api_server", *module_and_args]
 
 
 def _start_server(

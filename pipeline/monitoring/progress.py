@@ -8,7 +8,7 @@ elsewhere (CI, a file) it writes a plain line when a stage ends. Prefect's flow-
 lines ("Task run 'execute-tools-3a1' - Finished in state Completed()") go to the run's log file
 (RUNS_DIR/logs/run-*.log) instead of the console, unless `mtrl run --verbose`; warnings and errors
 still show, and the stages' own progress bars (tqdm) are off while the line is live. Stages report
-to it from run_stage (pipeline/stage_runs.py): nothing here shapes what a stage writes.
+to it from run_stage (pipeline/orchestration/stage_runs.py): nothing here shapes what a stage writes.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")  # Prefect's per-run lo
 REDRAW_S = 1.0  # the live line's clock ticks this often between stages
 
 
-class Progress:
+class TerminalProgress:
     """The state of one run as its stages start and end, and its line."""
 
     def __init__(self, iterations: int, stream: TextIO, live: bool):
@@ -103,7 +103,10 @@ class Progress:
             self._draw()
 
 
-_SHOWN: Progress | None = None  # the run's, while `shown` runs
+# The run's line, while `shown` runs. Module-level because the stages report to it from run_stage, inside
+# Prefect tasks whose parameters are the stage's inputs: a line handed to them would be part of each task
+# run's parameters. Only the `mtrl` command shows a line; elsewhere (a deployment, a test) it is None.
+_SHOWN: TerminalProgress | None = None
 
 
 def stage_started(stage: str, position: dict[str, int]) -> None:
@@ -124,8 +127,8 @@ class _NotRunLines(logging.Filter):
 
 
 @contextmanager
-def shown(iterations: int, log_path: Path, stream: TextIO, verbose: bool = False) -> Iterator[Progress]:
-    """Progress on `stream` (live when it is a terminal) for the block, and Prefect's run log lines
+def shown(iterations: int, log_path: Path, stream: TextIO, verbose: bool = False) -> Iterator[TerminalProgress]:
+    """TerminalProgress on `stream` (live when it is a terminal) for the block, and Prefect's run log lines
     written to `log_path` (and, unless `verbose`, not to the console)."""
     global _SHOWN
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -138,7 +141,7 @@ def shown(iterations: int, log_path: Path, stream: TextIO, verbose: bool = False
     consoles = [handler for handler in root.handlers if handler is not to_file] if not verbose else []
     for handler in consoles:
         handler.addFilter(quiet)
-    progress = Progress(iterations, stream, live=stream.isatty() and not verbose)
+    progress = TerminalProgress(iterations, stream, live=stream.isatty() and not verbose)
     ticking = threading.Event()
     ticker = threading.Thread(target=_tick, args=(progress, ticking), name="mtrl-progress", daemon=True)
     _SHOWN = progress
@@ -177,7 +180,7 @@ class _NotATerminal:
         return getattr(self.stream, name)
 
 
-def _tick(progress: Progress, stop: threading.Event) -> None:
+def _tick(progress: TerminalProgress, stop: threading.Event) -> None:
     while not stop.wait(REDRAW_S):
         progress.tick()
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 import functools
 import io
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-from pipeline.lineage import latest_policy
-from pipeline.stage_table import POLICY
-from pipeline.store import Store, StoreError
+from pipeline.store.lineage import iteration_versions
+from pipeline.store.versions import Store
+from runtime.files import replace_file
 from schemas.manifest import Manifest
+from schemas.stage import POLICY
 
 COLUMNS = (  # (key, header, width, decimals)
     ("iteration", "iter", 4, 0),
@@ -33,22 +33,6 @@ COLUMNS = (  # (key, header, width, decimals)
     ("clip_fraction", "clip", 6, 3),
     ("stage_seconds", "stage s", 7, 1),
 )
-
-
-def iteration_versions(store: Store, policy_version: str | None = None) -> list[list[Manifest]]:
-    """The versions each iteration of the lineage ending at `policy_version` (default: the newest)
-    made, oldest iteration first: its ppo-update first, then what it was made from, back to the
-    policies (its turns' generate-rollouts and execute-tools, assign-rewards, compute-advantages)."""
-    policy_version = policy_version or latest_policy(store)
-    if policy_version is None:
-        raise StoreError(f"no policy in {store.root}: nothing to report")
-    made_by_iteration = []
-    version = policy_version
-    while "ppo-update" in (parents := store.manifest(POLICY, version).parents):  # back to RL's starting policy
-        made = [m for m in store.walk_lineage("ppo-update", parents["ppo-update"], stop_at=POLICY) if m.stage != POLICY]
-        made_by_iteration.append(made)
-        version = made[0].parents[POLICY]
-    return made_by_iteration[::-1]
 
 
 def iteration_row(made: list[Manifest]) -> dict[str, Any]:
@@ -132,22 +116,15 @@ def _plot_png(rows_json: str) -> bytes:
     return compressed.getvalue()
 
 
-def replace_file(path: Path, data: bytes) -> None:
-    """Write `path` whole or not at all: runs finishing together, or a crash mid-write, never
-    leave a half-written report (the last complete writer wins)."""
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    partial.write_bytes(data)
-    os.replace(partial, path)
-
-
 def write_files(rows: list[dict[str, Any]], out_dir: Path, plot: bool = True) -> Path:
     """summary.json and (with `plot`) learning_curve.png in out_dir; returns the PNG's path."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    png = out_dir / "learning_curve.png"
+    files = {"summary.json": (json.dumps(rows, indent=2) + "\n").encode()}
     if plot:
-        replace_file(png, plot_png(rows))
-    replace_file(out_dir / "summary.json", (json.dumps(rows, indent=2) + "\n").encode())
-    return png
+        files["learning_curve.png"] = plot_png(rows)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        replace_file(out_dir / name, data)
+    return out_dir / "learning_curve.png"
 
 
 def write_report(store: Store, out_dir: Path | None = None, policy_version: str | None = None) -> tuple[str, Path]:

@@ -32,7 +32,7 @@ def rerun_map() -> dict[str, str]:
     return {name: stage.rerun_from for name, stage in STAGES.items() if stage.rerun_from}
 
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: pipeline/orchestration/ is two folders down
 # Every stage's output depends on the row schema, the token-stream contract and the stage contract.
 SHARED_CODE = ("schemas/features.py", "schemas/token_stream.py", "schemas/stage.py")
 # A stage's code is followed through its imports into these packages only: stages/ and schemas/ hold

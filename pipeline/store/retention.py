@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.lineage import policy_chain
-from pipeline.stage_table import POLICY
-from pipeline.store import Store
+from pipeline.store.lineage import policy_chain
+from pipeline.store.versions import Store
 from schemas.manifest import StoreError
+from schemas.stage import POLICY
 from stages.ppo_update.checkpoint import OPTIMIZER_FILE
 
 

@@ -32,8 +32,8 @@ from typing import Any
 import datasets
 import numpy as np
 
-from pipeline.lineage import generating_policy, load_turns
-from pipeline.store import Store
+from pipeline.store.lineage import generating_policy, load_turns
+from pipeline.store.versions import Store
 from runtime.passes import PassCounts, counting_passes
 from schemas.config import RunConfig
 from schemas.features import GENERATE_ROLLOUTS, dataset_from_rows, is_agent_rollout

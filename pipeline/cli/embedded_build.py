@@ -2,9 +2,9 @@
 ~1M-parameter Qwen3 model, a supervised warm-start on the calculator task, and a short
 "noisy" fine-tune that makes the policy often wrong so that RL has room to improve.
 
-    python -m pipeline.embedded.build tokenizer            # -> pipeline/embedded/tokenizer/
-    python -m pipeline.embedded.build expert --seed 0      # SFT from scratch -> expert/
-    python -m pipeline.embedded.build policy               # noisy fine-tune of expert/ -> policy/
+    python -m pipeline.cli.embedded_build tokenizer            # -> pipeline/models/embedded/tokenizer/
+    python -m pipeline.cli.embedded_build expert --seed 0      # SFT from scratch -> expert/
+    python -m pipeline.cli.embedded_build policy               # noisy fine-tune of expert/ -> policy/
 
 Why two checkpoints are committed: a tiny model learns the
 tool-call *format* quickly, but copying the expression correctly appears through a sharp,
@@ -28,15 +28,15 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from pipeline.models import SHIPPED_TEMPLATES
+from pipeline.models.base_model import EMBEDDED_POLICY, SHIPPED_TEMPLATES
 from stages.environments import ENVIRONMENTS, CalculatorEnv
 from stages.registry import Tasks, tool_schemas
 from stages.tools import TOOLS, calculate
 
-HERE = Path(__file__).resolve().parent
-TOKENIZER_DIR = HERE / "tokenizer"
-EXPERT_DIR = HERE / "expert"
-POLICY_DIR = HERE / "policy"
+EMBEDDED = EMBEDDED_POLICY.parent  # pipeline/models/embedded/: what this script writes, and mtrl ships
+TOKENIZER_DIR = EMBEDDED / "tokenizer"
+EXPERT_DIR = EMBEDDED / "expert"
+POLICY_DIR = EMBEDDED / "policy"
 
 VOCAB_SIZE = 2048
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -165,7 +165,7 @@ def evaluate(
     """Run each task's episodes on n fixed tasks with the real rollout code. calculator:
     well-formed first call, first call computing the answer, correct final answer;
     guess-number: solved within 50 turns, mean turns to solve; weather: correct answer."""
-    from pipeline.evaluate import run_episodes
+    from pipeline.orchestration.episodes import run_episodes
     from schemas.config import RunConfig
     from stages.assign_rewards import rollout_metrics
     from stages.generate_rollouts.hf import HFEngine

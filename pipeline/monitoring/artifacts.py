@@ -36,10 +36,11 @@ from prefect.artifacts import (
 from prefect.context import FlowRunContext
 from prefect.settings import PREFECT_API_URL
 
-from pipeline.prefect_patches import call_with_own_client
-from pipeline.report import iterations, markdown_table, write_files
-from pipeline.store import Store
+from pipeline.monitoring.report import iteration_row, markdown_table, write_files
+from pipeline.prefect_plumbing.patches import call_with_own_client
+from pipeline.store.versions import Store
 from runtime.phases import PHASES
+from schemas.manifest import Manifest
 
 SUMMARY_KEY = "rl-iteration-summary"
 GENERATION_PROGRESS_KEY = "generate-rollouts-progress"
@@ -104,19 +105,20 @@ def publish_stage(store: Store, stage: str, version: str) -> None:
 
 
 @PHASES.timed("artifacts")
-def publish_summary(store: Store, policy_version: str, plot: bool) -> None:
-    """The learning curve so far as one markdown artifact: with `plot`, the plot embedded as a
-    data URL (both Prefect UIs render `data:image/...` sources in markdown, while an image
-    artifact needs a URL the browser can reach) above the table; also written to the runs dir.
-    Rendering the plot takes ~0.15 s (2 cores), so a run of several iterations plots once, at
-    its end; every iteration publishes the table."""
-    rows = iterations(store, policy_version)
+def publish_summary(store: Store, made_by_iteration: list[list[Manifest]], plot: bool) -> None:
+    """The learning curve so far (the versions each iteration made: lineage.iteration_versions) as
+    one markdown artifact: with `plot`, the plot embedded as a data URL (both Prefect UIs render
+    `data:image/...` sources in markdown, while an image artifact needs a URL the browser can reach)
+    above the table; also written to the runs dir. Rendering the plot takes ~0.15 s (2 cores), so a
+    run of several iterations plots once, at its end; every iteration publishes the table."""
+    rows = [iteration_row(made) for made in made_by_iteration]
+    table = markdown_table(rows)
     png = write_files(rows, store.root / "report", plot=plot)
     sections = [f"## mtrl learning curve, iteration {rows[-1]['iteration']}"]
     if plot:
         encoded = base64.b64encode(png.read_bytes()).decode("ascii")
         sections.append(f"![learning curve](data:image/png;base64,{encoded})")
-    sections += [markdown_table(rows), f"Plot: `{png}`, store: `{store.root}`" if plot else f"Store: `{store.root}`"]
+    sections += [table, f"Plot: `{png}`, store: `{store.root}`" if plot else f"Store: `{store.root}`"]
     send(
         create_markdown_artifact,
         key=SUMMARY_KEY,
@@ -125,7 +127,7 @@ def publish_summary(store: Store, policy_version: str, plot: bool) -> None:
     )
 
 
-class Progress:
+class ProgressArtifact:
     """A Prefect progress artifact (0-100 %). A new percentage is sent at most once per
     UPDATE_INTERVAL_S, at once if it is 100 % or comes with a new description. Each holder
     of the artifact (one per task run) keeps its own clock."""
@@ -139,7 +141,7 @@ class Progress:
         self._sent_at = time.monotonic()
 
     @classmethod
-    def create(cls, key: str, description: str) -> Progress:
+    def create(cls, key: str, description: str) -> ProgressArtifact:
         """A new bar at 0 %, attached to the current flow or task run."""
         return cls(send(create_progress_artifact, 0.0, key=key, description=description))
 
@@ -171,13 +173,13 @@ class Progress:
 
 
 @PHASES.timed("artifacts")
-def generation_progress(iteration: int, turn_limit: int) -> Progress:
+def generation_progress(iteration: int, turn_limit: int) -> ProgressArtifact:
     """One bar for all of an iteration's turns, attached to the flow run: someone watching a
     long multi-turn run wants to know how many turns are done, and how far the current one is."""
-    return Progress.create(GENERATION_PROGRESS_KEY, f"iteration {iteration}: turn 1 of at most {turn_limit}")
+    return ProgressArtifact.create(GENERATION_PROGRESS_KEY, f"iteration {iteration}: turn 1 of at most {turn_limit}")
 
 
-def turn_stretch(progress: Progress, iteration: int, turn: int, turn_limit: int) -> dict[str, Any] | None:
+def turn_stretch(progress: ProgressArtifact, iteration: int, turn: int, turn_limit: int) -> dict[str, Any] | None:
     """The stretch of the iteration's generation bar that turn `turn` moves (stretch_of): from
     turn/turn_limit to (turn + 1)/turn_limit; None when the API refused the bar."""
     if progress.artifact_id is None:
@@ -189,7 +191,7 @@ def turn_stretch(progress: Progress, iteration: int, turn: int, turn_limit: int)
 def stretch_of(artifact: UUID, start: float, end: float, done: str) -> Callable[[float], None]:
     """A stage's progress callback (the share of its work done, 0 to 1) that moves a bar from
     `start` to `end` (shares of the bar), and says `done` at its end."""
-    progress = Progress(artifact)
+    progress = ProgressArtifact(artifact)
 
     def report(share: float) -> None:
         progress.update(100 * (start + share * (end - start)), done if share >= 1 else None)
@@ -200,11 +202,11 @@ def stretch_of(artifact: UUID, start: float, end: float, done: str) -> Callable[
 def bar_of_its_own(stage: str) -> Callable[[float], None]:
     """A stage's progress callback that makes a bar of its own (key STAGE-progress), attached to its
     task run, when it first reports (a stage that never reports makes none)."""
-    made: list[Progress] = []
+    made: list[ProgressArtifact] = []
 
     def report(share: float) -> None:
         if not made:
-            made.append(Progress.create(f"{stage}-progress", f"{stage}: share of the work done"))
+            made.append(ProgressArtifact.create(f"{stage}-progress", f"{stage}: share of the work done"))
         made[0].update(100 * share)
 
     return report

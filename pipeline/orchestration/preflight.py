@@ -1,5 +1,5 @@
 """The pre-flight checks: what a run's config names must exist before any work starts. Every
-flow runs them first (pipeline/flows.py: a deployment's run starts there), and `mtrl` runs them
+flow runs them first (pipeline/orchestration/flows.py: a deployment's run starts there), and `mtrl` runs them
 before it starts a Prefect server, to answer a bad command line in one line.
 """
 
@@ -17,7 +17,7 @@ class ConfigError(ValueError):
 def check_config(config: RunConfig) -> None:
     """What the config's own validation cannot know (registries, installed extras, the model),
     checked before any work is done: a ConfigError says what is wrong."""
-    from pipeline.models import check_starting_model
+    from pipeline.models.base_model import check_starting_model
     from runtime.ray import RayError, check_ray_address
     from stages.compute_advantages import ESTIMATORS
     from stages.generate_rollouts.engine import ENGINES

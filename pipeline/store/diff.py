@@ -15,10 +15,10 @@ from pathlib import Path
 import datasets
 from safetensors.numpy import load_file
 
-from pipeline.stage_table import POLICY, STAGES
-from pipeline.store import Store, StoreError
+from pipeline.store.versions import Store, StoreError
 from runtime.hashing import MANIFEST
 from schemas.manifest import Manifest
+from schemas.stage import POLICY
 
 Key = tuple[str, int | None, int | str | None]  # stage, iteration, turn (a policy: what made it)
 
@@ -26,20 +26,19 @@ Key = tuple[str, int | None, int | str | None]  # stage, iteration, turn (a poli
 def stored_items(store: Store) -> dict[Key, Path]:
     """Every version of a runs directory by what it holds, not by its version name."""
     items: dict[Key, Path] = {}
-    for stage in (*STAGES, POLICY):
-        for manifest in store.versions(stage):
-            path = store.path(stage, manifest.version)
-            iteration = manifest.iteration
-            if stage in STAGES and "iteration" in STAGES[stage].features:  # rows of turns know theirs
-                rows = datasets.load_from_disk(str(path))
+    for manifest in store.versions():
+        stage, path, iteration = manifest.stage, store.path(manifest.stage, manifest.version), manifest.iteration
+        if stage != POLICY:
+            rows = datasets.load_from_disk(str(path))
+            if "iteration" in rows.column_names:  # rows of turns know theirs
                 iteration = rows[0]["iteration"] if len(rows) else None
-            # a turn for the per-turn stages; for a policy the stage that trained it, since the imported
-            # model and its warm start (sft) are both of iteration -1
-            made_by = next(iter(manifest.parents), "imported")
-            key = (stage, iteration, made_by if stage == POLICY else manifest.turn)
-            if key in items:
-                raise StoreError(f"{store.root} holds two versions of {key}: compare runs of one configuration")
-            items[key] = path
+        # a turn for the per-turn stages; for a policy the stage that trained it, since the imported
+        # model and its warm start (sft) are both of iteration -1
+        made_by = next(iter(manifest.parents), "imported")
+        key = (stage, iteration, made_by if stage == POLICY else manifest.turn)
+        if key in items:
+            raise StoreError(f"{store.root} holds two versions of {key}: compare runs of one configuration")
+        items[key] = path
     return items
 
 

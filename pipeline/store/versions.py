@@ -12,7 +12,7 @@ never leaves a half-written version that a later run could mistake for a finishe
 temporary name says which host and process writes it, so a later run removes only what a dead
 writer left behind.
 The manifest records a digest of every file, so edited or corrupted versions are detected.
-Retention (pipeline/retention.py) may later delete files only continuing training needs (a
+Retention (pipeline/store/retention.py) may later delete files only continuing training needs (a
 policy's AdamW state): the manifest says so first (`pruned`), and the digests are checked for
 the files it keeps.
 """
@@ -61,7 +61,9 @@ def copy_files(source: Path, target: Path, files: dict[str, Any]) -> None:
         shutil.copyfile(source / name, destination)  # follows a hub snapshot's symlinks to its blobs
 
 
-_VERIFIED: set[tuple] = set()  # policy folders whose digests matched, by their files' (path, size, mtime)
+# Policy folders whose digests matched, by their files' (path, size, mtime): a memo of this process, so that a
+# policy every stage of an iteration loads is hashed once (a file changed since has another size or mtime).
+_VERIFIED: set[tuple] = set()
 
 
 def manifest_text(fields: dict[str, Any]) -> str:

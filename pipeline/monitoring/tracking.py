@@ -35,8 +35,8 @@ from typing import Any, ClassVar
 from prefect import get_run_logger
 from prefect.exceptions import MissingContextError
 
-from pipeline.report import iteration_versions, replace_file
-from pipeline.store import Store
+from pipeline.store.versions import Store
+from runtime.files import replace_file
 from runtime.hashing import library_versions, package_version
 from runtime.phases import PHASES
 from schemas.config import RunConfig, TrackingConfig
@@ -294,7 +294,11 @@ class Ledger:
         replace_file(self.path, (json.dumps(data, indent=1) + "\n").encode())
 
 
-_OPEN: dict[tuple[str, Path], Tracker] = {}  # the trackers this process started, by name and tracking dir
+# A tracker's run stays open from one iteration to the next, and each iteration is a flow run of its own
+# (rl_iteration: `mtrl run` calls it once per iteration; a deployment's serving process runs one per
+# trigger): no object lives as long as the process's iterations, so the process's trackers are kept here,
+# by name and tracking dir, and each is finished when the process exits (atexit: _finish).
+_OPEN: dict[tuple[str, Path], Tracker] = {}
 _FAILED: set[tuple[str, Path]] = set()  # the trackers that failed in this process (warned about once)
 
 
@@ -303,9 +307,10 @@ def tracking_dir(config: RunConfig) -> Path:
 
 
 @PHASES.timed("tracking")
-def log_iteration(config: RunConfig, store: Store, policy: str) -> None:
-    """Log to each tracker of tracking.backends the iterations of `policy`'s lineage it has not
-    logged yet (normally the one that just wrote `policy`), waiting at most tracking.timeout_s."""
+def log_iteration(config: RunConfig, store: Store, made_by_iteration: list[list[Manifest]]) -> None:
+    """Log to each tracker of tracking.backends the iterations of a policy's lineage (the versions each
+    made: lineage.iteration_versions) it has not logged yet (normally the one that just wrote the
+    policy), waiting at most tracking.timeout_s."""
     settings, folder = config.tracking, tracking_dir(config)
     names = [name for name in settings.backends if (name, folder) not in _FAILED]
     if not names:
@@ -313,7 +318,7 @@ def log_iteration(config: RunConfig, store: Store, policy: str) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         ledgers = {name: Ledger.load(folder / f"{name}.json") for name in names}
-        lineage = {made[0].iteration: made for made in iteration_versions(store, policy)}
+        lineage = {made[0].iteration: made for made in made_by_iteration}
         wanted = {}
         for name, ledger in ledgers.items():
             other = [i for i, wrote in ledger.steps.items() if i in lineage and lineage[i][0].policy != wrote]
@@ -434,7 +439,7 @@ def flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def step_of(store: Store, made: list[Manifest], trajectories: int) -> Step:
-    """An iteration's step, from the versions it made (pipeline.report.iteration_versions)."""
+    """An iteration's step, from the versions it made (pipeline.store.lineage.iteration_versions)."""
     update = made[0]
     table = sample_trajectories(store, made, trajectories) if trajectories else None
     return Step(update.iteration, update.policy, scalars_of(made), table)

@@ -15,8 +15,8 @@ from typing import Any
 
 import datasets
 
-from pipeline.store import Store
-from schemas.manifest import Manifest
+from pipeline.store.versions import Store
+from schemas.manifest import Manifest, StoreError
 from schemas.stage import POLICY
 
 REFERENCE = f"{POLICY}#reference"  # the input holding the KL's reference policy
@@ -123,3 +123,19 @@ def rebuild_hint(store: Store, stage: str, version: str) -> str:
             policy = f" --policy {trained}" if stale else ""  # rollouts of an older policy (ppo.max_staleness)
             return f"; ppo-update/{made.version} wrote it: `mtrl stage ppo-update --from {source}{policy}` rebuilds it"
     return ""
+
+
+def iteration_versions(store: Store, policy_version: str | None = None) -> list[list[Manifest]]:
+    """The versions each iteration of the lineage ending at `policy_version` (default: the newest)
+    made, oldest iteration first: its ppo-update first, then what it was made from, back to the
+    policies (its turns' generate-rollouts and execute-tools, assign-rewards, compute-advantages)."""
+    policy_version = policy_version or latest_policy(store)
+    if policy_version is None:
+        raise StoreError(f"no policy in {store.root}: nothing to report")
+    made_by_iteration = []
+    version = policy_version
+    while "ppo-update" in (parents := store.manifest(POLICY, version).parents):  # back to RL's starting policy
+        made = [m for m in store.walk_lineage("ppo-update", parents["ppo-update"], stop_at=POLICY) if m.stage != POLICY]
+        made_by_iteration.append(made)
+        version = made[0].parents[POLICY]
+    return made_by_iteration[::-1]

@@ -9,7 +9,7 @@
   job on the cluster at `runner.ray_address`: runtime/launch.py). The runner changes where
   a stage runs, never its version or its bytes.
 
-Which stages may run on Ray is the stage table's `distributed` (pipeline/stage_table.py).
+Which stages may run on Ray is the stage table's `distributed` (pipeline/orchestration/stage_table.py).
 
 Ray workers are separate processes: without a Prefect server to talk to, each one would start
 its own temporary server and its task runs would land there, so

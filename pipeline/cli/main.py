@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from pydantic import ValidationError
 
-from pipeline.config_docs import config_fields, config_markdown, config_table
+from pipeline.cli.config_docs import config_fields, config_markdown, config_table
 from runtime import interpreter
 from runtime.interrupt import remember_interrupts
 from runtime.phases import PHASES
@@ -33,7 +33,7 @@ from schemas.config import RunConfig, deep_merge
 from schemas.manifest import MissingVersionError, StoreError
 
 if TYPE_CHECKING:
-    from pipeline.store import Store
+    from pipeline.store.versions import Store
 
 PHASES.mark("cli_imported")
 
@@ -41,7 +41,7 @@ PHASES.mark("cli_imported")
 # its inputs, then returns its work, which main() runs. The handlers import torch, transformers,
 # datasets and Prefect themselves (`mtrl ls` needs none of them), and main() runs them as one
 # block of imports (runtime/interpreter.py: untracked_imports). `mtrl run` starts the Prefect
-# API before its imports, so that the server's start overlaps them (pipeline/prefect_servers.py).
+# API before its imports, so that the server's start overlaps them (pipeline/prefect_plumbing/servers.py).
 Work = Callable[[], None]
 
 RUN_FLAGS = {  # flag -> (config field, type, help)
@@ -103,8 +103,8 @@ def build_config(args: argparse.Namespace, base: RunConfig | None = None) -> Run
 
 
 def checked(config: RunConfig) -> RunConfig:
-    """The config, after the pre-flight checks (pipeline/preflight.py); a failure is a usage error."""
-    from pipeline.preflight import ConfigError, check_config
+    """The config, after the pre-flight checks (pipeline/orchestration/preflight.py); a failure is a usage error."""
+    from pipeline.orchestration.preflight import ConfigError, check_config
 
     try:
         check_config(config)
@@ -117,13 +117,13 @@ def start_flows(config: RunConfig) -> Callable[..., Any]:
     """What a command that runs flows does first: start the Prefect API in the background and
     check the config while it starts (a bad config stops it again at exit). Returns
     run_flow(flow, *args), which waits for the API and runs the flow on it."""
-    from pipeline import prefect_servers
+    from pipeline.prefect_plumbing import servers as prefect_servers
 
     api_ready = prefect_servers.start_api(config.store.runs_dir, config.runner.kind)
     checked(config)
 
     def run_flow(flow: Callable[..., Any], *args: Any) -> Any:
-        from pipeline import prefect_settings
+        from pipeline.prefect_plumbing import settings as prefect_settings
 
         own_api = api_ready()
         PHASES.mark("api_ready")
@@ -141,10 +141,10 @@ def start_flows(config: RunConfig) -> Callable[..., Any]:
 def command_run(args: argparse.Namespace) -> Work:
     config = build_config(args)
     run_flow = start_flows(config)
-    from pipeline import progress
-    from pipeline.flows import rl_training
-    from pipeline.report import write_report
-    from pipeline.store import Store
+    from pipeline.monitoring import progress
+    from pipeline.monitoring.report import write_report
+    from pipeline.orchestration.flows import rl_training
+    from pipeline.store.versions import Store
     from runtime.ray import RayError
 
     PHASES.mark("checks_done")
@@ -182,9 +182,9 @@ def command_sft(args: argparse.Namespace) -> Work:
     if config.sft.steps == 0:
         raise UsageError("mtrl sft trains for sft.steps steps, which is 0: give --sft-steps N (or --set sft.steps=N)")
     run_flow = start_flows(config)
-    from pipeline.flows import warm_start
-    from pipeline.stage_table import POLICY
-    from pipeline.store import Store
+    from pipeline.orchestration.flows import warm_start
+    from pipeline.orchestration.stage_table import POLICY
+    from pipeline.store.versions import Store
 
     def run() -> None:
         policy = run_flow(warm_start, config)
@@ -205,7 +205,7 @@ def write_run_log(store: Store, results: list[dict[str, Any]], stem: str) -> Pat
     """RUNS_DIR/logs/STEM.json (STEM: run-<time>-<pid>, beside the run's .log of Prefect's lines): the
     command, the versions it made and where its time went (runtime/phases.py; the stages' own time is
     each manifest's wall_s). bench/orchestration.py reads it."""
-    from pipeline.report import replace_file
+    from runtime.files import replace_file
 
     folder = store.root / "logs"
     folder.mkdir(parents=True, exist_ok=True)
@@ -217,8 +217,8 @@ def write_run_log(store: Store, results: list[dict[str, Any]], stem: str) -> Pat
 
 def command_stage(args: argparse.Namespace) -> Work:
     """Re-run one stage: the config recorded in the input's lineage, then --config, flags, --set."""
-    from pipeline.lineage import run_config
-    from pipeline.store import Store
+    from pipeline.store.lineage import run_config
+    from pipeline.store.versions import Store
 
     store = Store(args.runs_dir)
     source_stage, source_version = store.resolve(args.source)
@@ -227,7 +227,7 @@ def command_stage(args: argparse.Namespace) -> Work:
     )
     config = build_config(args, base=recorded)
     run_flow = start_flows(config)
-    from pipeline.flows import rerun_stage
+    from pipeline.orchestration.flows import rerun_stage
 
     def run() -> None:
         try:
@@ -243,10 +243,10 @@ def command_stage(args: argparse.Namespace) -> Work:
 def command_serve(args: argparse.Namespace) -> Work:
     """Serve rl-iteration as deployment rl-iteration/local: each run trains the next iteration."""
     config = checked(build_config(args))
-    from pipeline import prefect_settings
+    from pipeline.prefect_plumbing import settings as prefect_settings
 
     prefect_settings.configure(config.store.runs_dir)
-    from pipeline.flows import rl_iteration
+    from pipeline.orchestration.flows import rl_iteration
 
     schedule = {"interval": args.interval} if args.interval else {"cron": args.cron} if args.cron else {}
 
@@ -261,9 +261,9 @@ def command_eval(args: argparse.Namespace) -> Work:
     """Roll out a policy on fixed evaluation tasks and print its metrics; only the starting model is stored
     (imported, as a run would), never the rollouts."""
     config = checked(build_config(args))
-    from pipeline.evaluate import run_episodes
-    from pipeline.models import import_base_policy
-    from pipeline.store import Store
+    from pipeline.models.base_model import import_base_policy
+    from pipeline.orchestration.episodes import run_episodes
+    from pipeline.store.versions import Store
     from stages.assign_rewards import rollout_metrics
     from stages.generate_rollouts.engine import EngineSettings, open_engine
     from stages.policy.loading import load_tokenizer
@@ -294,8 +294,8 @@ def command_eval(args: argparse.Namespace) -> Work:
 
 
 def command_report(args: argparse.Namespace) -> Work:
-    from pipeline.report import write_report
-    from pipeline.store import Store
+    from pipeline.monitoring.report import write_report
+    from pipeline.store.versions import Store
 
     def run() -> None:
         curve, png = write_report(Store(args.runs_dir), args.out, args.policy)
@@ -305,8 +305,8 @@ def command_report(args: argparse.Namespace) -> Work:
 
 
 def command_view(args: argparse.Namespace) -> Work:
-    from pipeline.store import Store
-    from pipeline.viewer import serve, write_page
+    from pipeline.monitoring.viewer import serve, write_page
+    from pipeline.store.versions import Store
 
     def run() -> None:
         store = Store(args.runs_dir)
@@ -319,7 +319,7 @@ def command_view(args: argparse.Namespace) -> Work:
 
 
 def command_ls(args: argparse.Namespace) -> Work:
-    from pipeline.store import Store
+    from pipeline.store.versions import Store
 
     def run() -> None:
         store = Store(args.runs_dir)
@@ -336,7 +336,7 @@ def command_ls(args: argparse.Namespace) -> Work:
 
 
 def command_show(args: argparse.Namespace) -> Work:
-    from pipeline.store import Store
+    from pipeline.store.versions import Store
 
     def run() -> None:
         store = Store(args.runs_dir)
@@ -355,10 +355,10 @@ def command_show(args: argparse.Namespace) -> Work:
 
 
 def command_audit(args: argparse.Namespace) -> Work:
-    from pipeline.audit import audit_stored
-    from pipeline.lineage import run_config
-    from pipeline.stage_table import STAGES
-    from pipeline.store import Store
+    from pipeline.orchestration.stage_table import STAGES
+    from pipeline.store.audit import audit_stored
+    from pipeline.store.lineage import run_config
+    from pipeline.store.versions import Store
     from stages.registry import load_plugins
 
     store = Store(args.runs_dir)
@@ -383,7 +383,7 @@ def command_audit(args: argparse.Namespace) -> Work:
 
 
 def command_lineage(args: argparse.Namespace) -> Work:
-    from pipeline.store import Store
+    from pipeline.store.versions import Store
 
     def run() -> None:
         store = Store(args.runs_dir)
@@ -409,7 +409,7 @@ def command_config(args: argparse.Namespace) -> Work:
 
 
 def command_diff(args: argparse.Namespace) -> Work:
-    from pipeline.compare import compare_runs
+    from pipeline.store.diff import compare_runs
 
     def run() -> None:
         lines, different = compare_runs(args.left, args.right)
@@ -430,7 +430,7 @@ class RerunnableStages:
     when argparse checks a name or prints them."""
 
     def names(self) -> list[str]:
-        from pipeline.stage_table import rerun_map
+        from pipeline.orchestration.stage_table import rerun_map
 
         return list(rerun_map())
 
@@ -537,8 +537,8 @@ def parser() -> argparse.ArgumentParser:
 def error_message(exc: Exception) -> str:
     """One line for the user; a missing trained policy says how to rebuild it."""
     if isinstance(exc, MissingVersionError):
-        from pipeline.lineage import rebuild_hint
-        from pipeline.store import Store
+        from pipeline.store.lineage import rebuild_hint
+        from pipeline.store.versions import Store
 
         return f"{exc}{rebuild_hint(Store(exc.root), exc.stage, exc.version)}"
     return str(exc)
@@ -563,7 +563,3 @@ def entry() -> NoReturn:
     """The `mtrl` command: main(), then an exit without the interpreter's teardown."""
     remember_interrupts()  # a Ctrl-C that Prefect would swallow still stops the run
     interpreter.exit_without_teardown(main(as_command=True))
-
-
-if __name__ == "__main__":
-    entry()

@@ -28,11 +28,12 @@ import datasets
 import torch
 from prefect import get_run_logger, task
 
-from pipeline import artifacts, lineage, progress, retention
-from pipeline.artifacts import publish_stage
-from pipeline.audit import audit_before_training
-from pipeline.stage_table import POLICY, STAGES, code_version, stage_version
-from pipeline.store import Store
+from pipeline.monitoring import artifacts, progress
+from pipeline.monitoring.artifacts import publish_stage
+from pipeline.orchestration.stage_table import POLICY, STAGES, code_version, stage_version
+from pipeline.store import lineage, retention
+from pipeline.store.audit import audit_before_training
+from pipeline.store.versions import Store
 from runtime.hashing import version_key
 from schemas.config import RunConfig
 from schemas.features import token_counts

@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pipeline.store import Store, copy_files
+from pipeline.store.versions import Store, copy_files
 from runtime.cache import cache_dir
 from runtime.hashing import file_digest, file_digests, version_key
 from schemas.config import RunConfig
@@ -220,14 +220,3 @@ def import_base_policy(store: Store, config: RunConfig) -> str:
 
     store.write(POLICY, version, fill, {"iteration": -1, "code_version": IMPORTED_CODE_VERSION})
     return version
-
-
-def starting_policy(store: Store, config: RunConfig) -> str:
-    """The policy RL starts from (and the KL reference): the imported model, or with sft.steps > 0
-    its warm start (a stored version: the same settings on the same model train once)."""
-    base = import_base_policy(store, config)
-    if config.sft.steps == 0:
-        return base
-    from pipeline.stage_runs import run_stage  # the warm start is a stage run (it imports this module)
-
-    return run_stage(config, "sft", {POLICY: base}).policy
