@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.orchestration.stage_table import POLICY
-from pipeline.store.retention import PrunedStateError, prune_optimizer_states, pruned_optimizer_state
+from pipeline.store.retention import PrunedStateError, optimizer_state_gone, prune_optimizer_states
 from pipeline.store.versions import Store, StoreError
 from stages.ppo_update.checkpoint import OPTIMIZER_FILE
 
@@ -138,8 +138,8 @@ def test_retention_prunes_the_older_states_of_the_new_policys_lineage_only(tmp_p
     assert all(store.verify(POLICY, m.version) == [] for m in store.versions(POLICY))
     reason = store.manifest(POLICY, "p0").pruned[OPTIMIZER_FILE]["reason"]
     assert reason == "store.keep_optimizer_state=2: older than the newest 2 policies of policy/p4"
-    assert pruned_optimizer_state(store, "p1")["reason"] == reason
-    assert pruned_optimizer_state(store, "base") is None and pruned_optimizer_state(store, "p2") is None
+    assert optimizer_state_gone(store, "p1").pruned["reason"] == reason
+    assert optimizer_state_gone(store, "base") is None and optimizer_state_gone(store, "p2") is None
     assert prune_optimizer_states(store, "p4", keep=2) == []  # nothing new
     assert prune_optimizer_states(store, "q3", keep=1) == []  # its lineage: q3, p2 (none), p1 (pruned): stop
 

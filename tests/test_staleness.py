@@ -10,7 +10,7 @@ import json
 import pytest
 
 from pipeline.orchestration.flows import rl_training
-from pipeline.store.lineage import generating_policy, policy_before, policy_chain
+from pipeline.store.lineage import generating_policy, policies_before, policy_chain
 from pipeline.store.versions import Store
 from schemas.config import RunConfig
 from stages.generate_rollouts.engine import ENGINE
@@ -53,13 +53,15 @@ def test_iteration_i_is_generated_by_policy_i_minus_k_and_trains_policy_i(
         assert update.extra("memory")["scope"] == ("this stage" if i == iterations - 1 else beside)
         assert {m.parents["policy"] for m in store.versions("generate-rollouts") if m.iteration == i} == {generating}
     # the schedule is a pure function of the lineage: the same query gives the same policy
-    assert policy_before(store, results[-1]["policy"], staleness) == results[-1]["generating_policy"]
-    assert policy_before(store, results[0]["policy"], staleness) == results[0]["policy"]  # clamped at policy 0
+    assert policies_before(store, results[-1]["policy"], staleness)[-1] == results[-1]["generating_policy"]
+    assert policies_before(store, results[0]["policy"], staleness) == [results[0]["policy"]] * (staleness + 1)
+    assert policies_before(store, results[-1]["policy"], staleness)[0] == results[-1]["policy"]
 
 
 def test_the_next_iterations_experience_is_made_while_this_one_trains(small_config, prefect_server):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import FlowRunSort
 
     results = train(small_config, staleness=1, iterations=2)
     store = Store(small_config.store.runs_dir)
@@ -69,7 +71,7 @@ def test_the_next_iterations_experience_is_made_while_this_one_trains(small_conf
     with get_client(sync_client=True) as client:
         (flow_run,) = [  # this test's iteration 0
             run
-            for run in client.read_flow_runs()
+            for run in client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC)  # the newest 200: the server is shared
             if run.parameters.get("iteration") == 0 and run.parameters["config"]["store"]["runs_dir"] == runs_dir
         ]
         task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
@@ -124,10 +126,11 @@ def test_an_audit_failure_in_the_batch_made_ahead_fails_its_own_iteration_after_
     rl-iteration 1 still completes (update stored, AdamW states pruned, summary written) and the
     failure is rl-iteration 2's, whose ppo-update audits the batch before it trains."""
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import FlowRunSort
 
     from pipeline.orchestration import stage_runs
     from pipeline.store.audit import AuditError
-    from pipeline.store.retention import pruned_optimizer_state
+    from pipeline.store.retention import optimizer_state_gone
 
     config = small_config.with_overrides({"store.keep_optimizer_state": 1})
     audited = []
@@ -149,14 +152,14 @@ def test_an_audit_failure_in_the_batch_made_ahead_fails_its_own_iteration_after_
     updates = sorted(store.versions("ppo-update"), key=lambda m: m.iteration)
     assert [m.iteration for m in updates] == [0, 1]
     policy_1, policy_2 = updates[0].policy, updates[1].policy
-    assert pruned_optimizer_state(store, policy_1) is not None and pruned_optimizer_state(store, policy_2) is None
+    assert optimizer_state_gone(store, policy_1) is not None and optimizer_state_gone(store, policy_2) is None
     summary = json.loads((config.store.runs_dir / "report" / "summary.json").read_text())
     assert [row["iteration"] for row in summary] == [0, 1]
     runs_dir = str(config.store.runs_dir)
     with get_client(sync_client=True) as client:
         states = {
             run.parameters["iteration"]: run.state.type.value
-            for run in client.read_flow_runs()
+            for run in client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC)  # the newest 200: the server is shared
             if run.flow_id
             and run.parameters.get("config", {}).get("store", {}).get("runs_dir") == runs_dir
             and "iteration" in run.parameters

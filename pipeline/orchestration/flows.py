@@ -95,12 +95,11 @@ def rl_iteration(
     with store.lock(), stage_runner(config.runner) as runner, PHASES.section("iteration"):
         policy_version = policy_version or lineage.latest_policy(store) or starting_policy(store, config)
         iteration = store.manifest(POLICY, policy_version).iteration + 1 if iteration is None else iteration
-        batch = batch or experience(config, iteration, lineage.policy_before(store, policy_version, staleness), runner)
+        generating = lineage.policies_before(store, policy_version, staleness)
+        batch = batch or experience(config, iteration, generating[staleness], runner)
         ahead: AbstractContextManager[Future | None] = nullcontext()
         if generate_next and staleness > 0:  # its policy, one update less behind, is in the store already
-            ahead = made_beside(
-                config, iteration + 1, lineage.policy_before(store, policy_version, staleness - 1), runner
-            )
+            ahead = made_beside(config, iteration + 1, generating[staleness - 1], runner)
         with ahead as next_batch:  # the update and its bookkeeping; the next batch is made beside them
             parents = {"compute-advantages": batch.advantaged, POLICY: policy_version}
             updated = run_stage(config, "ppo-update", parents)  # its task audits the batch first

@@ -260,7 +260,7 @@ def optimizer_start(
     if config.store.fresh_optimizer_if_pruned:
         continuing = config.with_overrides({"store.fresh_optimizer_if_pruned": False})
     policy = parents.get(POLICY) or lineage.input_of(store, POLICY, parents)
-    pruned = retention.pruned_optimizer_state(store, policy)
+    pruned = retention.optimizer_state_gone(store, policy)
     settings = settings_of(stage.name, continuing)
     if pruned is None or not stage.continues_optimizer(settings):
         return continuing
@@ -268,5 +268,5 @@ def optimizer_start(
     if on_disk(store, stage.name, stage_version(stage.name, settings, {**found, **parents}, position)):
         return continuing
     if not config.store.fresh_optimizer_if_pruned:
-        raise retention.PrunedStateError(policy, store.manifest(POLICY, policy).iteration, pruned)
+        raise pruned
     return config

@@ -59,12 +59,13 @@ def policy_chain(store: Store, policy_version: str) -> Iterator[Manifest]:
         version = store.manifest("ppo-update", update).parents[POLICY] if update else None
 
 
-def policy_before(store: Store, policy_version: str, updates: int) -> str:
-    """The policy `updates` ppo-updates before this one in its lineage, or the starting policy
-    when the lineage is shorter: with ppo.max_staleness K, iteration i's rollouts come from the
-    policy K updates before the one iteration i trains, i.e. from policy max(0, i - K)."""
-    *_, last = itertools.islice(policy_chain(store, policy_version), updates + 1)
-    return last.version
+def policies_before(store: Store, policy_version: str, updates: int) -> list[str]:
+    """This policy, then the policies 1, 2, ... `updates` ppo-updates before it in its lineage (the
+    starting policy for those the lineage is too short for): with ppo.max_staleness K, iteration i's
+    rollouts come from the policy K updates before the one iteration i trains, i.e. from policy
+    max(0, i - K), and those of iteration i + 1, made beside i's update, from the one K - 1 before."""
+    chain = [manifest.version for manifest in itertools.islice(policy_chain(store, policy_version), updates + 1)]
+    return chain + [chain[-1]] * (updates + 1 - len(chain))
 
 
 def staleness(store: Store, generating: str, trained: str) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 
 from pipeline.store.lineage import policy_chain
 from pipeline.store.versions import Store
-from schemas.manifest import StoreError
+from schemas.manifest import Manifest, StoreError
 from schemas.stage import POLICY
 from stages.ppo_update.checkpoint import OPTIMIZER_FILE
 
@@ -23,19 +23,22 @@ from stages.ppo_update.checkpoint import OPTIMIZER_FILE
 class PrunedStateError(StoreError):
     """A ppo-update would continue an AdamW state that retention deleted."""
 
-    def __init__(self, policy_version: str, iteration: int | None, pruned: dict[str, Any]):
+    def __init__(self, policy: Manifest):
+        self.pruned: dict[str, Any] = policy.pruned[OPTIMIZER_FILE]  # when and why
         super().__init__(
-            f"ppo-update would continue the AdamW state of policy/{policy_version} (iteration {iteration}), but "
-            f"retention pruned it at {pruned['at']} ({pruned['reason']}), and a fresh AdamW trains another update. "
-            "Set store.fresh_optimizer_if_pruned=true to train it with a fresh AdamW (a new ppo-update version), or "
-            "raise store.keep_optimizer_state so that future runs keep more states"
+            f"ppo-update would continue the AdamW state of policy/{policy.version} (iteration {policy.iteration}), "
+            f"but retention pruned it at {self.pruned['at']} ({self.pruned['reason']}), and a fresh AdamW trains "
+            "another update. Set store.fresh_optimizer_if_pruned=true to train it with a fresh AdamW (a new "
+            "ppo-update version), or raise store.keep_optimizer_state so that future runs keep more states"
         )
 
 
-def pruned_optimizer_state(store: Store, policy_version: str) -> dict[str, Any] | None:
-    """When and why retention pruned a policy's AdamW state; None while the policy has it, and for
-    a policy that never had one (the starting model, a LoRA update's policy)."""
-    return store.manifest(POLICY, policy_version).pruned.get(OPTIMIZER_FILE)
+def optimizer_state_gone(store: Store, policy_version: str) -> PrunedStateError | None:
+    """The error a ppo-update continuing this policy's AdamW state meets when retention pruned it (its
+    `pruned`: when and why); None while the policy has its state, and for a policy that never had one
+    (the starting model, a LoRA update's policy)."""
+    policy = store.manifest(POLICY, policy_version)
+    return PrunedStateError(policy) if OPTIMIZER_FILE in policy.pruned else None
 
 
 def prune_optimizer_states(store: Store, policy_version: str, keep: int) -> list[str]:
