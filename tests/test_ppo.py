@@ -637,6 +637,13 @@ def test_a_shared_prefix_update_and_scores_equal_the_unshared_ones(tiny, rollout
         assert (weights[name] - weights["unshared"]).abs().max() < 1e-5, name
 
 
+def test_a_batch_without_a_sampled_token_is_a_clear_error(tiny, rollouts):
+    model, tokenizer = tiny
+    all_failed = rollouts.map(lambda row: {"failed": True})
+    with pytest.raises(ValueError, match=r"nothing to train on: .* \(8 rollouts failed"):
+        optimise_policy(model, all_failed, settings=ppo_settings(), pad_token_id=tokenizer.pad_token_id, seed=0)
+
+
 def test_rollouts_without_advantage_are_not_computed_and_the_update_stays_the_same(tiny, rollouts):
     """Rollouts of advantage 0 (6 of the 8) add exactly nothing with no KL, entropy or value term, so
     no pass computes them. The reference computes them: advantages of 1e-30 instead of 0 (a

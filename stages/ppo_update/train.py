@@ -251,6 +251,12 @@ def optimise_policy(
     scorer = model if isinstance(model, Scorer) else Scorer(model)  # a sharded model comes as its Scorer
     device = next(model.parameters()).device
     sequences = [s for s in rollout_sequences(turns) if s.target_positions]
+    if not sequences:  # a clear error here, not a reshape of an empty batch further down
+        failed = len({rollout for rollout, f in zip(turns["rollout_id"], turns["failed"]) if f})
+        raise ValueError(
+            f"nothing to train on: no rollout of these {turns.num_rows} rows has a sampled token "
+            f"({failed} rollouts failed; the others, if any, have no completion tokens)"
+        )
     train_value = value_head is not None and all(len(s.old_values) == len(s.target_positions) for s in sequences)
     use_kl_loss = settings.kl_coef > 0 and settings.kl_in == "loss"
     if use_kl_loss and not all(len(s.ref_logprobs) == len(s.target_positions) for s in sequences):
