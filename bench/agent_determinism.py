@@ -23,9 +23,14 @@ from pathlib import Path
 
 from bench.agents import machine
 from pipeline.cli.main import main as mtrl
-from tests.test_agent_determinism import AGENTS, kill_and_resume_under_load
+from tests.test_agent_determinism import kill_and_resume_under_load
 
 REPO = Path(__file__).resolve().parents[1]
+AGENTS = [
+    "examples.agents.openai_loop:agent",  # the openai client's tool loop
+    "tests.agent_programs:streams_in_sync",  # a sync agent streaming every reply
+    "tests.agent_programs:edits_history",  # its second call starts a new segment
+]
 
 
 def diff(first: Path, second: Path) -> tuple[int, str]:
@@ -42,7 +47,7 @@ def main() -> None:
     parser.add_argument("--agents", default="all", help="comma-separated agent functions, or all")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "agent_determinism_cpu.json")
     args = parser.parse_args()
-    agents = [function for function, _ in AGENTS] if args.agents == "all" else args.agents.split(",")
+    agents = AGENTS if args.agents == "all" else args.agents.split(",")
     results = {
         "question": "the same agent command, quiet then under CPU hogs and SIGKILLed mid-calls then resumed: same data?",
         "machine": machine(),
@@ -53,7 +58,9 @@ def main() -> None:
     for function in agents:
         with tempfile.TemporaryDirectory(prefix="mtrl-determinism-") as folder:
             root = Path(folder)
-            report = kill_and_resume_under_load(function, args.rollouts, root, dict(os.environ))
+            report = kill_and_resume_under_load(
+                function, args.rollouts, root, dict(os.environ), hogs=(os.cpu_count() or 1) + 1
+            )
             rows = report.pop("rows")
             code, verdict = diff(root / "uninterrupted", root / "resumed")
         line = {

@@ -204,3 +204,15 @@ def streams_in_sync(rollout) -> None:
                 result = run_tool(call["name"], call["arguments"])
                 messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
     return None
+
+
+async def three_kinds(rollout) -> float | None:
+    """By rollout id modulo 3: the calculator's tool loop (examples/agents/openai_loop.py),
+    streams_in_sync (in a thread: its client is a sync one) or edits_history, so that the calls of all
+    three meet in the same batches (tests/test_agent_determinism.py)."""
+    kind = rollout.rollout_id % 3
+    if kind == 0:
+        return await calculator(rollout)
+    if kind == 1:
+        return await asyncio.to_thread(streams_in_sync, rollout)
+    return await edits_history(rollout)

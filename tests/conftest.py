@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -112,13 +115,71 @@ def small_config(tmp_path):
     )
 
 
+# Under `-n`, one Prefect server serves both workers (a server costs ~8 s of CPU to start and keeps
+# polling while idle): the controller starts it while the workers start, and tells them where its URL
+# will be (SHARED_SERVER, inherited by the workers); without workers, the session starts its own.
+SHARED_SERVER = "MTRL_TEST_PREFECT_SERVER_URL_FILE"
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return  # a worker, or a run without workers
+    home = Path(tempfile.mkdtemp(prefix="mtrl-test-prefect-server-"))
+    os.environ[SHARED_SERVER] = str(home / "url")
+    stop = threading.Event()
+
+    def serve() -> None:
+        # The kernel stops the server when the thread that started it ends (servers.py): this thread
+        # lives until the session ends.
+        try:
+            with prefect_servers.local_server(home) as url:
+                (home / "url.tmp").write_text(url)
+                (home / "url.tmp").rename(home / "url")
+                stop.wait()
+        except BaseException as exc:
+            (home / "error").write_text(f"{type(exc).__name__}: {exc}")
+        finally:
+            shutil.rmtree(home, ignore_errors=True)
+
+    thread = threading.Thread(target=serve, name="shared-prefect-server", daemon=True)
+    thread.start()
+    config.stash[_SHARED_SERVER_STOP] = (stop, thread)
+
+
+_SHARED_SERVER_STOP = pytest.StashKey[tuple]()
+
+
+def pytest_unconfigure(config):
+    if _SHARED_SERVER_STOP in config.stash:
+        stop, thread = config.stash[_SHARED_SERVER_STOP]
+        stop.set()
+        thread.join(timeout=60)
+
+
+def shared_server_url(url_file: Path, timeout_s: float = 300) -> str:
+    """The URL of the controller's server, once it is up."""
+    deadline = time.monotonic() + timeout_s
+    while not url_file.exists():
+        if (url_file.parent / "error").exists():
+            pytest.fail(f"the shared Prefect server did not start: {(url_file.parent / 'error').read_text()}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"the shared Prefect server did not start within {timeout_s:g} s")
+        time.sleep(0.1)
+    return url_file.read_text()
+
+
 @pytest.fixture(scope="session")
 def prefect_server_env(tmp_path_factory):
-    """A real `prefect server start` on 127.0.0.1 with its own PREFECT_HOME; yields the environment
-    for client processes (PREFECT_API_URL set)."""
+    """A real `prefect server start` on 127.0.0.1 with its own PREFECT_HOME (under `-n`, the one the
+    workers share); yields the environment for client processes (PREFECT_API_URL set)."""
+    settings = {"PREFECT_RUNNER_POLL_FREQUENCY": "1"}
+    if shared := os.environ.get(SHARED_SERVER):
+        home = Path(shared).parent
+        yield {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": shared_server_url(Path(shared)), **settings}
+        return
     home = tmp_path_factory.mktemp("prefect-home")
     with prefect_servers.local_server(home) as url:
-        yield {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": url, "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
+        yield {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": url, **settings}
 
 
 OPENAI_LOOP_ARGS = "--iterations 2 --rollouts 8 --group-size 4 --agent examples.agents.openai_loop:agent".split()

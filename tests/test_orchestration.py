@@ -64,6 +64,7 @@ def test_serve_then_two_triggered_runs_chain_iterations_and_overlap(prefect_serv
     and the first makes the second's batch beside its ppo-update (the second finds it stored)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import FlowRunSort
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     runs, log = tmp_path / "runs", tmp_path / "serve.log"
@@ -117,7 +118,9 @@ def test_serve_then_two_triggered_runs_chain_iterations_and_overlap(prefect_serv
         with get_client(sync_client=True) as client:
             flow_runs = [
                 run
-                for run in client.read_flow_runs()
+                for run in client.read_flow_runs(
+                    sort=FlowRunSort.START_TIME_DESC
+                )  # the newest 200: the server is shared
                 if run.parameters.get("config", {}).get("store", {}).get("runs_dir") == str(runs)
             ]
             first = min(flow_runs, key=lambda run: run.start_time)
