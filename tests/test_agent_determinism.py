@@ -1,12 +1,12 @@
-"""The same agent command twice, once on a quiet machine and once beside a bursty CPU hog (and the
-other pytest worker's tests), the second run SIGKILLed while its agents call (in its second iteration,
-after a policy was trained) and then run again beside the hog: the load moves the agents' calls in
-time, so they meet in other batches (other row counts, other cache widths, other calls joining
-mid-decode), and the resumed run stores the bytes of the uninterrupted one (`mtrl diff`: 0
-different); the agents' process dies with mtrl. The agent is three kinds at once
-(tests/agent_programs.py:three_kinds): the openai client's tool loop, a sync agent streaming every
-reply, and an agent whose second call starts a new segment, so that their calls meet in the same
-batches. Slow: about 2 minutes on 2 cores.
+"""The same agent command twice, once on a quiet machine and once while bursty CPU hogs keep every
+core busy, the second run SIGKILLed while its agents call (in its second iteration, after a policy
+was trained) and then run again under the hogs: the load moves the agents' calls in time, so they
+meet in other batches (other row counts, other cache widths, other calls joining mid-decode), and
+the resumed run stores the bytes of the uninterrupted one (`mtrl diff`: 0 different); the agents'
+process dies with mtrl. The agent is three kinds at once (tests/agent_programs.py:three_kinds): the
+openai client's tool loop, a sync agent streaming every reply, and an agent whose second call
+starts a new segment, so that their calls meet in the same batches. Slow: about 2 minutes on 2
+cores.
 
 bench/agent_determinism.py runs `kill_and_resume_under_load` at 256 rollouts for each kind alone, under
 one hog per core and one more."""
@@ -133,9 +133,10 @@ def kill_and_resume_under_load(
 def test_an_agent_run_killed_under_load_resumes_to_the_bytes_of_the_uninterrupted_run(
     tmp_path, prefect_server_env, capsys
 ):
-    # 16 rollouts of each kind; one hog, beside the other pytest worker's tests (its busy loops would only
-    # burn the CPU those need; bench/agent_determinism.py runs one per core and one more)
-    report = kill_and_resume_under_load("tests.agent_programs:three_kinds", 48, tmp_path, prefect_server_env, hogs=1)
+    # 16 rollouts of each kind, beside one hog per core (the bench adds one more: here the other pytest
+    # worker's tests keep the machine busy too)
+    hogs = os.cpu_count() or 1
+    report = kill_and_resume_under_load("tests.agent_programs:three_kinds", 48, tmp_path, prefect_server_env, hogs)
     assert report["policies_at_kill"] < 3  # killed before the end: imported + 2 iterations
     assert report["agents_processes_left"] == 0, "the agents' process outlived mtrl"
     rows = report["rows"]
