@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -119,6 +120,7 @@ def small_config(tmp_path):
 # polling while idle): the controller starts it while the workers start, and tells them where its URL
 # will be (SHARED_SERVER, inherited by the workers); without workers, the session starts its own.
 SHARED_SERVER = "MTRL_TEST_PREFECT_SERVER_URL_FILE"
+_SHARED_SERVER_STOP = pytest.StashKey[tuple]()  # the controller's (stop event, serving thread)
 
 
 def pytest_configure(config):
@@ -146,9 +148,6 @@ def pytest_configure(config):
     config.stash[_SHARED_SERVER_STOP] = (stop, thread)
 
 
-_SHARED_SERVER_STOP = pytest.StashKey[tuple]()
-
-
 def pytest_unconfigure(config):
     if _SHARED_SERVER_STOP in config.stash:
         stop, thread = config.stash[_SHARED_SERVER_STOP]
@@ -172,14 +171,13 @@ def shared_server_url(url_file: Path, timeout_s: float = 300) -> str:
 def prefect_server_env(tmp_path_factory):
     """A real `prefect server start` on 127.0.0.1 with its own PREFECT_HOME (under `-n`, the one the
     workers share); yields the environment for client processes (PREFECT_API_URL set)."""
-    settings = {"PREFECT_RUNNER_POLL_FREQUENCY": "1"}
     if shared := os.environ.get(SHARED_SERVER):
-        home = Path(shared).parent
-        yield {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": shared_server_url(Path(shared)), **settings}
-        return
-    home = tmp_path_factory.mktemp("prefect-home")
-    with prefect_servers.local_server(home) as url:
-        yield {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": url, **settings}
+        home, server = Path(shared).parent, contextlib.nullcontext(shared_server_url(Path(shared)))
+    else:
+        home = tmp_path_factory.mktemp("prefect-home")
+        server = prefect_servers.local_server(home)
+    with server as url:
+        yield {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": url, "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
 
 
 OPENAI_LOOP_ARGS = "--iterations 2 --rollouts 8 --group-size 4 --agent examples.agents.openai_loop:agent".split()

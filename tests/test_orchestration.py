@@ -116,11 +116,9 @@ def test_serve_then_two_triggered_runs_chain_iterations_and_overlap(prefect_serv
     assert second_update.parents["policy"] == policies[1].version  # iteration 1 trained iteration 0's policy
     with temporary_settings({PREFECT_API_URL: prefect_server_env["PREFECT_API_URL"]}):
         with get_client(sync_client=True) as client:
-            flow_runs = [
+            flow_runs = [  # of the newest 200: the server is shared
                 run
-                for run in client.read_flow_runs(
-                    sort=FlowRunSort.START_TIME_DESC
-                )  # the newest 200: the server is shared
+                for run in client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC)
                 if run.parameters.get("config", {}).get("store", {}).get("runs_dir") == str(runs)
             ]
             first = min(flow_runs, key=lambda run: run.start_time)

@@ -86,12 +86,11 @@ def test_the_flow_run_shows_the_plot_a_table_and_finished_progress_bars(first_ru
         progress = client.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[summary.flow_run_id]))
         )
-        tables = (
-            client.read_artifacts(  # the stage tables of the iteration's flow run (a table sent elsewhere is missed)
-                artifact_filter=ArtifactFilter(
-                    key=ArtifactFilterKey(any_=list(STAGES)),
-                    flow_run_id=ArtifactFilterFlowRunId(any_=[summary.flow_run_id]),
-                )
+        # the stage tables of the iteration's flow run: a table sent on another run is missing below
+        tables = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=list(STAGES)),
+                flow_run_id=ArtifactFilterFlowRunId(any_=[summary.flow_run_id]),
             )
         )
     image = re.search(r"!\[[^]]*\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", summary.data)
