@@ -162,7 +162,7 @@ def train_on_demonstrations(
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=settings.learning_rate, weight_decay=0.0)
     if settings.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     metrics: list[dict[str, float]] = []
     for step in range(settings.steps):
@@ -192,7 +192,7 @@ def train_on_demonstrations(
             report_progress((step + 1) / settings.steps)
     optimizer.zero_grad(set_to_none=True)
     if settings.gradient_checkpointing:
-        model.gradient_checkpointing_disable()
+        model.activation_checkpointing_disable()
     model.eval()
     return metrics
 

@@ -289,7 +289,7 @@ def test_packing_and_activation_checkpointing_do_not_change_the_update(tiny, rol
         with counting_passes() as counted[name]:
             metrics = optimise_policy(trained, rollouts, settings=config, pad_token_id=tokenizer.pad_token_id, seed=0)
         results[name] = (metrics, torch.cat([p.detach().flatten() for p in trained.parameters()]))
-        assert not trained.is_gradient_checkpointing
+        assert not trained.is_activation_checkpointing
     # Each pass is counted: 8 rollouts, 2 a pass padded (4 passes); the old-logprob pass runs because
     # recompute_old_logprobs is null here (the caller knows no better); checkpointing runs every
     # training forward again in the backward pass; packing computes no padding.

@@ -312,9 +312,8 @@ def optimise_policy(
     metrics: list[dict[str, float]] = []
     progress = tqdm(total=n_steps, desc="ppo-update", unit="step", leave=False, disable=None)
     # Recompute each layer's activations in backward: less memory, about 1/3 more compute.
-    # (gradient_checkpointing_* exist in every transformers 5.x; 5.23 renames them activation_*.)
     if settings.gradient_checkpointing:
-        scorer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        scorer.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     scorer.train()
     # Mini-batches of shuffled rollouts, not whole groups: with sparse rewards most groups have no
     # advantage, and a step on two such groups moves every weight by about the learning rate in a
@@ -389,7 +388,7 @@ def optimise_policy(
     progress.close()
     optimizer.zero_grad(set_to_none=True)  # the last step's gradients: no longer needed, free them
     if settings.gradient_checkpointing:
-        scorer.model.gradient_checkpointing_disable()
+        scorer.model.activation_checkpointing_disable()
     scorer.eval()
     return metrics
 
