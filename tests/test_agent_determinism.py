@@ -1,6 +1,6 @@
 """The same agent command twice, once on a quiet machine and once while bursty CPU hogs keep every
-core busy, the second run SIGKILLed while its agents call (in its second iteration, after a policy
-was trained) and then run again under the hogs: the load moves the agents' calls in time, so they
+core busy whenever its agents call, the second run SIGKILLed while they call (in its second
+iteration, after a policy was trained) and then run again under the hogs: the load moves the agents' calls in time, so they
 meet in other batches (other row counts, other cache widths, other calls joining mid-decode), and
 the resumed run stores the bytes of the uninterrupted one (`mtrl diff`: 0 different); the agents'
 process dies with mtrl. The agent is three kinds at once (tests/agent_programs.py:three_kinds): the
@@ -18,8 +18,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,28 +47,49 @@ while True:
 
 
 @contextlib.contextmanager
-def cpu_hogs(count: int) -> Iterator[None]:
-    """`count` bursty busy loops."""
+def cpu_hogs(count: int, busy_while: Callable[[], bool]) -> Iterator[dict[str, float]]:
+    """`count` bursty busy loops that run while `busy_while()` is true (asked every 50 ms) and are
+    stopped (SIGSTOP) while it is false. Yields {"busy_s": the seconds they ran so far}."""
     hogs = [subprocess.Popen([sys.executable, "-c", HOG.format(seed=seed)]) for seed in range(count)]
+    load, done = {"busy_s": 0.0}, threading.Event()
+
+    def follow() -> None:
+        running, since = True, time.monotonic()
+        while not done.wait(0.05):
+            if running:
+                load["busy_s"] += time.monotonic() - since
+            since = time.monotonic()
+            if busy_while() != running:
+                running = not running
+                for hog in hogs:
+                    hog.send_signal(signal.SIGCONT if running else signal.SIGSTOP)
+
+    follower = threading.Thread(target=follow, daemon=True)
+    follower.start()
     try:
-        yield
+        yield load
     finally:
+        done.set()
+        follower.join()
         for hog in hogs:
             hog.kill()
             hog.wait()
 
 
 def agent_processes(parent: int) -> set[int]:
-    """The agents' processes that `parent` runs now."""
+    """The agents' processes that `parent` runs now (its children running child.py)."""
     found = set()
-    for entry in Path("/proc").iterdir():
+    for tasks in Path(f"/proc/{parent}/task").glob("*/children"):
         try:
-            command = (entry / "cmdline").read_bytes()
-            parent_id = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
+            children = tasks.read_text().split()
+        except OSError:  # the parent or that thread ended
             continue
-        if b"generate_rollouts/agents/child.py" in command and parent_id == parent:
-            found.add(int(entry.name))
+        for child in children:
+            try:
+                if b"generate_rollouts/agents/child.py" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    found.add(int(child))
+            except OSError:
+                continue
     return found
 
 
@@ -100,9 +122,13 @@ def kill_and_resume_under_load(
     started = time.monotonic()
     assert start(uninterrupted).wait(timeout=1800) == 0, (root / "uninterrupted.out").read_text()[-3000:]
     report["uninterrupted_s"] = round(time.monotonic() - started, 1)
-    with cpu_hogs(hogs):
+    # The hogs run while the run's agents call, where the load moves calls between batches; the imports,
+    # the Prefect server's start and the updates, which the load cannot change, are left to run on their own.
+    run: list[subprocess.Popen] = []
+    with cpu_hogs(hogs, busy_while=lambda: bool(run and agent_processes(run[-1].pid))) as load:
         started = time.monotonic()
         process = start(resumed)
+        run.append(process)
         deadline, agents = time.monotonic() + 1800, set()
         while time.monotonic() < deadline and process.poll() is None:
             trained = resumed.exists() and len(Store(resumed).versions("policy")) >= 2  # imported + iteration 0
@@ -121,8 +147,10 @@ def kill_and_resume_under_load(
         report["agents_processes_left"] = sum(alive(pid) for pid in agents)
 
         started = time.monotonic()
-        assert start(resumed).wait(timeout=1800) == 0, (root / "resumed.out").read_text()[-3000:]
+        run.append(start(resumed))
+        assert run[-1].wait(timeout=1800) == 0, (root / "resumed.out").read_text()[-3000:]
         report["resume_s"] = round(time.monotonic() - started, 1)
+        report["hogs_busy_s"] = round(load["busy_s"], 1)
 
     store = Store(uninterrupted)
     turns = [store.load("generate-rollouts", manifest.version) for manifest in store.versions("generate-rollouts")]
@@ -137,6 +165,8 @@ def test_an_agent_run_killed_under_load_resumes_to_the_bytes_of_the_uninterrupte
     # worker's tests keep the machine busy too)
     hogs = os.cpu_count() or 1
     report = kill_and_resume_under_load("tests.agent_programs:three_kinds", 48, tmp_path, prefect_server_env, hogs)
+    print({key: value for key, value in report.items() if key != "rows"})
+    assert report["hogs_busy_s"] > 0, "the hogs never ran beside the agents"
     assert report["policies_at_kill"] < 3  # killed before the end: imported + 2 iterations
     assert report["agents_processes_left"] == 0, "the agents' process outlived mtrl"
     rows = report["rows"]
