@@ -245,7 +245,10 @@ def test_a_sigkilled_mtrl_takes_torchrun_and_its_ranks_along(two_iterations, tmp
         os.kill(job.ranks[1], signal.SIGSTOP)
         mtrl.kill()
         mtrl.wait()
-        assert not survivors({job.ranks[0]}, within_s=5)  # torchrun got SIGTERM and stopped rank 0
+        # torchrun got SIGTERM and stopped rank 0; without that signal rank 0 waits for rank 1 for good. The
+        # bound is loose: torchrun is a Python process that must be scheduled to pass the signal on, and in
+        # `make test` this test meets test_agent_determinism's CPU hogs (rank 0 outlived 5 s there once).
+        assert not survivors({job.ranks[0]}, within_s=20)
         if running(job.ranks[1]):  # torchrun may have SIGKILLed the stopped rank already (its escalation)
             os.kill(job.ranks[1], signal.SIGCONT)  # rank 1 gets torchrun's SIGTERM now
         assert not survivors(job.pids(), within_s=10)
