@@ -6,8 +6,8 @@ For each agent (the openai client's tool loop, a sync agent that streams every r
 its history), tests/test_agent_determinism.py's procedure at `--rollouts`: `mtrl run --agent ... --iterations
 2` on a quiet machine; the same command under CPU hogs (one bursty busy loop per core and one more, running
 while its agents call), SIGKILLed with its process group once its second iteration's agents call, then run
-again under the hogs; then `mtrl diff` of the two. A line per agent: the walls, the rows, failed rows, the agents' processes left after
-the kill and the diff's verdict. Each `mtrl run` starts a Prefect server of its own, as a user's does.
+again under the hogs; then `mtrl diff` of the two. A line per agent: the walls, the rows, failed rows, the
+agents' processes left after the kill and the diff's verdict. Each `mtrl run` starts a Prefect server of its own, as a user's does.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The same agent command twice, once on a quiet machine and once while bursty CPU hogs keep every
 core busy whenever its agents call, the second run SIGKILLed while they call (in its second
-iteration, after a policy was trained) and then run again under the hogs: the load moves the agents' calls in time, so they
-meet in other batches (other row counts, other cache widths, other calls joining mid-decode), and
+iteration, after a policy was trained) and then run again under the hogs: the load moves the agents'
+calls in time, so they meet in other batches (other row counts, other cache widths, other calls joining mid-decode), and
 the resumed run stores the bytes of the uninterrupted one (`mtrl diff`: 0 different); the agents'
 process dies with mtrl. The agent is three kinds at once (tests/agent_programs.py:three_kinds): the
 openai client's tool loop, a sync agent streaming every reply, and an agent whose second call
