@@ -5,8 +5,8 @@ calls in time, so they meet in other batches (other row counts, other cache widt
 the resumed run stores the bytes of the uninterrupted one (`mtrl diff`: 0 different); the agents'
 process dies with mtrl. The agent is three kinds at once (tests/agent_programs.py:three_kinds): the
 openai client's tool loop, a sync agent streaming every reply, and an agent whose second call
-starts a new segment, so that their calls meet in the same batches. Slow: about 2 minutes on 2
-cores.
+starts a new segment, so that their calls meet in the same batches. Slow: about a minute
+on 2 cores.
 
 bench/agent_determinism.py runs `kill_and_resume_under_load` at 256 rollouts for each kind alone, under
 one hog per core and one more."""
@@ -162,10 +162,10 @@ def kill_and_resume_under_load(
 def test_an_agent_run_killed_under_load_resumes_to_the_bytes_of_the_uninterrupted_run(
     tmp_path, prefect_server_env, capsys
 ):
-    # 16 rollouts of each kind, beside one hog per core (the bench adds one more: here the other pytest
+    # 8 rollouts of each kind, beside one hog per core (the bench adds one more: here the other pytest
     # worker's tests keep the machine busy too)
     hogs = os.cpu_count() or 1
-    report = kill_and_resume_under_load("tests.agent_programs:three_kinds", 48, tmp_path, prefect_server_env, hogs)
+    report = kill_and_resume_under_load("tests.agent_programs:three_kinds", 24, tmp_path, prefect_server_env, hogs)
     with capsys.disabled():  # the walls and the hogs' busy seconds, on the console (capsys reads the diff's output)
         print({key: value for key, value in report.items() if key != "rows"})
     assert report["hogs_busy_s"] > 0, "the hogs never ran beside the agents"

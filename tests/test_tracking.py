@@ -81,8 +81,13 @@ def mlflow_server(tmp_path_factory):
         "--artifacts-destination",
         str(folder / "artifacts"),
     ]
+    # Without its job runner (seven processes for MLflow's GenAI jobs: huey consumers, ~30 CPU-s while this module
+    # runs on 2 cores): experiment tracking, what mtrl logs to, does not use it.
+    environment = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     with open(folder / "server.log", "wb") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        server = subprocess.Popen(
+            command, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def answers() -> bool:
         try:
