@@ -35,6 +35,17 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def pid_alive(pid: int) -> bool:
+    """Is a process with this pid running on this machine (one of another user's counts)?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def dies_with_this_thread(command: list[str], signal_on_death: int = signal.SIGTERM) -> list[str]:
     """`command` run through this file: the child first asks the kernel for `signal_on_death`
     (SIGTERM: a server may shut down cleanly; SIGKILL: code that must not be able to refuse) when

@@ -37,6 +37,7 @@ import datasets
 
 from runtime.hashing import MANIFEST, digest_problems, file_digests, library_versions
 from runtime.phases import PHASES
+from runtime.processes import pid_alive
 from schemas.manifest import Manifest, MissingVersionError, StoreError
 from schemas.stage import POLICY
 
@@ -138,16 +139,6 @@ def tmp_folder_writer(name: str) -> tuple[str | None, int] | None:
         return None, int(name.split("-")[-2])
     except (IndexError, ValueError):
         return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Store:
@@ -424,7 +415,7 @@ class Store:
                     too_old = now - entry.stat().st_mtime > TMP_MAX_AGE_S
                 except FileNotFoundError:  # its writer finished and renamed it meanwhile
                     continue
-                if too_old or (host in (None, here) and not _pid_alive(pid)):
+                if too_old or (host in (None, here) and not pid_alive(pid)):
                     if entry.is_dir():
                         shutil.rmtree(entry, ignore_errors=True)
                     else:  # a manifest being replaced (_replace_manifest)
