@@ -29,8 +29,9 @@ prefect_settings.configure(_PREFECT_HOME)  # telemetry off, no progress bars, no
 # vLLM server, a Ray cluster, an uninterrupted reference run, two played iterations, a tracked run, the audited
 # run: made once, not once per worker), or
 # they look at every process of the machine (an MCP server a run left over), where another
-# worker's processes must not show. They go first, the longest first, so that the other worker
-# takes the rest meanwhile.
+# worker's processes must not show. xdist hands out the scopes with the most tests first (its
+# --loadscope-reorder, on by default), so these modules go first; among scopes of one size (the single
+# tests of every other module) FIRST's order holds, so the longest single tests start next.
 ONE_WORKER_MODULES = (
     "test_vllm",
     "test_distributed",
@@ -44,7 +45,7 @@ ONE_WORKER_MODULES = (
 
 # Modules that share a session fixture: one scope, so that one worker makes it once (openai_loop_run).
 SHARED_SCOPES = {"test_agent_process": "openai_loop_run", "test_agent_ray": "openai_loop_run"}
-# Modules of long tests that may run on either worker: they go first too, after the two longest modules above.
+# Modules of long tests that may run on either worker: the first of the single-test scopes.
 LONG_TESTS = ("test_vllm_runs", "test_agent_determinism")
 FIRST = (*ONE_WORKER_MODULES[:2], *LONG_TESTS, *ONE_WORKER_MODULES[2:], *SHARED_SCOPES)
 
