@@ -1,12 +1,12 @@
 """The same agent command twice, once on a quiet machine and once while bursty CPU hogs keep every
 core busy whenever its agents call, the second run SIGKILLed while they call (in its second
 iteration, after a policy was trained) and then run again under the hogs: the load moves the agents'
-calls in time, so they meet in other batches (other row counts, other cache widths, other calls joining mid-decode), and
-the resumed run stores the bytes of the uninterrupted one (`mtrl diff`: 0 different); the agents'
-process dies with mtrl. The agent is three kinds at once (tests/agent_programs.py:three_kinds): the
-openai client's tool loop, a sync agent streaming every reply, and an agent whose second call
-starts a new segment, so that their calls meet in the same batches. Slow: about a minute
-on 2 cores.
+calls in time, so they meet in other batches (other row counts, other cache widths, other calls
+joining mid-decode), and the resumed run stores the bytes of the uninterrupted one (`mtrl diff`: 0
+different); the agents' process dies with mtrl. The agent is three kinds at once
+(tests/agent_programs.py:three_kinds): the openai client's tool loop, a sync agent streaming every
+reply, and an agent whose second call starts a new segment, so that their calls meet in the same
+batches. Slow: about a minute on 2 cores.
 
 bench/agent_determinism.py runs `kill_and_resume_under_load` at 256 rollouts for each kind alone, under
 one hog per core and one more."""
