@@ -19,6 +19,7 @@ checkpoint.py's. Convention: logprob = log_softmax(logits / temperature)[token],
 from __future__ import annotations
 
 import random
+import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -453,7 +454,10 @@ def train_policy(
         lora = LoraConfig(r=settings.lora_rank, lora_alpha=settings.lora_alpha, target_modules="all-linear")
         # The adapters' random init draws from torch's global generator: seeded here, and under the
         # lock, so that no other thread (a value head built beside it) draws in between.
-        with TRANSFORMERS_GLOBALS:
+        with TRANSFORMERS_GLOBALS, warnings.catch_warnings():
+            # peft 0.21 reads transformers' deprecated alias `is_gradient_checkpointing`: its FutureWarning
+            # at every update is peft's to fix, not the user's
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
             torch.manual_seed(seed)
             model = get_peft_model(model, lora)
     trained: torch.nn.Module = model  # what optimise_policy optimises: the model, or its sharded Scorer
