@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _pytest import logging as _pytest_logging
 
 # Two pytest workers share the machine's cores (`make test`): one thread each, and so for every
 # process a test starts (mtrl's default would give each run every core: runtime/threads.py).
@@ -23,6 +25,21 @@ from pipeline.prefect_plumbing import servers as prefect_servers  # noqa: E402
 from pipeline.prefect_plumbing import settings as prefect_settings  # noqa: E402
 
 prefect_settings.configure(_PREFECT_HOME)  # telemetry off, no progress bars, no ~/.prefect
+
+
+def _under_logging_lock(enter):
+    def locked(self):
+        with logging._lock:  # the lock logging.getLogger holds while it adds a logger
+            return enter(self)
+
+    return locked
+
+
+# pytest 9.2's log capture, at each phase of each test, walks logging's dict of loggers without logging's
+# lock (_pytest.logging.catching_logs.__enter__): a thread an earlier test left running (a Prefect API
+# worker, a server's thread) that made its first logger meanwhile failed a random test's setup with
+# "dictionary changed size during iteration" (tests/test_harness.py).
+_pytest_logging.catching_logs.__enter__ = _under_logging_lock(_pytest_logging.catching_logs.__enter__)
 
 # `make test` runs the tests on two processes (pytest-xdist), each test wherever a worker is free,
 # except the modules below, whose tests stay on one worker: they share a costly module fixture (a
