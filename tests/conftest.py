@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -20,6 +21,7 @@ from _pytest import logging as _pytest_logging
 # process a test starts (mtrl's default would give each run every core: runtime/threads.py).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 _PREFECT_HOME = Path(tempfile.mkdtemp(prefix="mtrl-test-prefect-"))
+atexit.register(shutil.rmtree, _PREFECT_HOME, ignore_errors=True)  # each pytest process's own
 os.environ.setdefault("PREFECT_HOME", str(_PREFECT_HOME))
 from pipeline.prefect_plumbing import servers as prefect_servers  # noqa: E402
 from pipeline.prefect_plumbing import settings as prefect_settings  # noqa: E402
