@@ -1,7 +1,7 @@
 """A vLLM server process that mtrl starts: its interpreter (vLLM lives in its own environment), the
 process on 127.0.0.1 with its log, its health, how it ended, its stop. Nothing here shapes what the
 server samples: the command line and its environment come from the vLLM engine
-(stages/generate_rollouts/vllm_engine.py), but for where its sockets go, so editing this file (a log,
+(stages/generate_rollouts/vllm_engine.py), but for its temp dir, so editing this file (a log,
 a timeout) versions nothing.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 from runtime.processes import pid_alive, popen_for_this_process
 
 ROOT = Path(__file__).resolve().parents[1]
-IPC_PREFIX = "mtrl-vllm-ipc-"
+TEMP_PREFIX = "mtrl-vllm-server-"
 
 
 class EngineError(RuntimeError):
@@ -67,8 +67,8 @@ class VLLMServer:
         self, command: list[str], environment: dict[str, str], url: str, log_path: Path, start_timeout_s: float
     ):
         self.url, self.log_path = url, log_path
-        self.ipc_dir = ipc_folder()
-        environment = {**environment, "VLLM_RPC_BASE_PATH": str(self.ipc_dir)}
+        self.temp_dir = temp_folder()
+        environment = {**environment, "TMPDIR": str(self.temp_dir)}
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             log.write(f"$ {' '.join(command)}\n".encode())
@@ -119,20 +119,21 @@ class VLLMServer:
         except ProcessLookupError:
             pass
         self.process.wait()
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
-def ipc_folder() -> Path:
-    """A new folder for one server's ZMQ sockets (vLLM's VLLM_RPC_BASE_PATH, by default the temp dir,
-    where its killed processes leave them, a few per server). Named by this process, so the folders
-    of an mtrl that died without stopping its server are removed by the next server's start; short,
-    as a socket's path holds at most 107 bytes and vLLM adds a 36-character name."""
+def temp_folder() -> Path:
+    """A new temp dir for one server (its TMPDIR): vLLM leaves files in the temp dir when its processes are
+    killed (a few ZMQ sockets, which go where VLLM_RPC_BASE_PATH says, by default the temp dir, and a
+    torch.distributed init file per start). Named by this process, so the folders of an mtrl that died
+    without stopping its server are removed by the next server's start; short, as a socket's path holds
+    at most 107 bytes and vLLM adds a 36-character name."""
     temp = Path(tempfile.gettempdir())
-    for folder in temp.glob(f"{IPC_PREFIX}*"):
-        owner = folder.name.removeprefix(IPC_PREFIX).split("-")[0]
+    for folder in temp.glob(f"{TEMP_PREFIX}*"):
+        owner = folder.name.removeprefix(TEMP_PREFIX).split("-")[0]
         if owner.isdigit() and not pid_alive(int(owner)):
             shutil.rmtree(folder, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-", dir=temp))
+    return Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-", dir=temp))
 
 
 def healthy(url: str) -> bool:

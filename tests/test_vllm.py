@@ -58,16 +58,17 @@ def started(tmp_path_factory, tiny):
     _, tokenizer = tiny
     settings = EngineSettings.resolve(vllm_config(tmp_path_factory.mktemp("runs")))
     engine = open_engine(EXPERT, tokenizer, settings)
-    sockets = engine.server.ipc_dir
+    temp_dir = engine.server.temp_dir
     try:
         assert engine.update["how"] == "server start"
-        assert any(sockets.iterdir())  # vLLM's ZMQ sockets are in the server's own folder
+        # vLLM's ZMQ sockets and torch.distributed's init file are in the server's own temp dir
+        assert {path.name.startswith("vllm_dist_") for path in temp_dir.iterdir()} == {False, True}
         fresh_expert = engine.generate(expert_requests(tokenizer), Sampling(1.0)).completions
         engine.load_policy(EMBEDDED_POLICY)
         yield engine, fresh_expert
     finally:
         engine.close()
-    assert not sockets.exists()  # removed with the server
+    assert not temp_dir.exists()  # removed with the server
 
 
 @pytest.fixture

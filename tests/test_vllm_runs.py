@@ -19,7 +19,7 @@ from test_vllm import SMALL_SERVER, TOLERANCE, max_logprob_difference
 
 from pipeline.store.lineage import generating_policy
 from pipeline.store.versions import Store
-from runtime.vllm_server import IPC_PREFIX, ipc_folder
+from runtime.vllm_server import TEMP_PREFIX, temp_folder
 from stages.policy.loading import load_model
 
 pytestmark = pytest.mark.slow
@@ -114,10 +114,10 @@ def test_a_sigkilled_mtrl_takes_its_vllm_server_and_engine_processes_along(tmp_p
     run.communicate()
     _, alive = psutil.wait_procs([psutil.Process(server), *group], timeout=60)
     assert not alive, f"outlived the SIGKILLed mtrl: {[p.cmdline()[:3] for p in alive]}"
-    # A SIGKILLed mtrl removes nothing: its server's socket folder stays until the next server starts.
-    (sockets,) = Path(tempfile.gettempdir()).glob(f"{IPC_PREFIX}{run.pid}-*")
-    shutil.rmtree(ipc_folder())
-    assert not sockets.exists()
+    # A SIGKILLed mtrl removes nothing: its server's temp dir stays until the next server starts.
+    (temp_dir,) = Path(tempfile.gettempdir()).glob(f"{TEMP_PREFIX}{run.pid}-*")
+    shutil.rmtree(temp_folder())
+    assert not temp_dir.exists()
 
 
 def _process_group(pid: int) -> int | None:
