@@ -300,11 +300,13 @@ class RewardConfig(Section):
         0.0, ge=-1e6, le=1e6, description="Final reward of a rollout cut by its turn limit or the context budget."
     )
     overlong_reward: float = Field(
-        -0.5,
+        0.0,
         ge=-1e6,
         le=1e6,
-        description="Final reward of a rollout whose turn ran past max_new_tokens without ending (as DAPO's "
-        "overlong penalty, arXiv:2503.14476): below a natural end, so rambling never beats answering.",
+        description="Final reward of a rollout whose turn ran past max_new_tokens without ending (0: no reward, "
+        "as TRL scores a cut completion). A negative value is DAPO's overlong penalty (arXiv:2503.14476); at "
+        "-0.5, the default until 2026-11-29, a group of failures with one cut rollout taught the others (SmolLM2: "
+        "less held-out success on both seeds measured, docs/performance.md).",
     )
 
 
