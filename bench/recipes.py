@@ -39,10 +39,12 @@ RECIPES: dict[str, dict[str, object]] = {  # name -> the --set values it changes
     "gae": {"advantage.estimator": "gae"},  # with its value head
     "dr_grpo": {"advantage.normalize_by_std": "false"},  # group mean removed, no std division
     "kl_0.05": {"ppo.kl_coef": 0.05},
+    # the default until 2026-11-29 (DAPO's overlong penalty): a turn cut at max_new_tokens scored -0.5, not 0
+    "overlong_penalty": {"reward.overlong_reward": -0.5},
     "seq_mean_loss": {"ppo.loss_aggregation": "seq-mean-token-mean"},
     "two_epochs": {"ppo.epochs": 2},
 }
-FIRST = "default,rloo,gae,dr_grpo,kl_0.05"  # the table's first columns; the others when time allows
+FIRST = "default,rloo,gae,dr_grpo,kl_0.05,overlong_penalty"  # the table's first columns; the others when time allows
 
 
 def run_recipe(
