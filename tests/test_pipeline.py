@@ -258,6 +258,8 @@ def test_gae_with_kl_in_the_reward_and_lora_over_two_iterations(tmp_path):
         iterations=2,
         task={"rollouts": 4, "group_size": 2, "max_turns": 2},
         generation={"max_new_tokens": 48},
+        # a cut turn scores below an answer: the tiny model's groups differ, so there is something to train
+        reward={"overlong_reward": -0.5},
         advantage={"estimator": "gae"},
         ppo={"minibatch_rollouts": 4, "kl_coef": 0.05, "kl_in": "reward", "lora_rank": 4},
         store={"runs_dir": tmp_path / "runs"},

@@ -41,6 +41,8 @@ ARGS = [
     "3",
     "--set",
     "generation.max_new_tokens=48",
+    "--set",  # a cut turn scores below an answer: every iteration has something to train (and log)
+    "reward.overlong_reward=-0.5",
 ]
 STEPS = [0, 1, 2, 3]  # three iterations of `mtrl run`, then one of a deployment's run
 DEPLOYMENT_RUN = """
