@@ -6,7 +6,9 @@ The work is bench/trl_peer.py's SmolLM2 race, mtrl's side: SmolLM2-135M-Instruct
 `mtrl sft` with the seed, then --iterations of RL on 32 calculator rollouts in groups of 8, then
 `mtrl eval` of the last policy on --held-out fixed calculator tasks, sampled and greedy. Each recipe
 changes mtrl's defaults by the --set values of RECIPES, nothing else; the same seed gives every
-recipe the same warm start (it is made once per seed) and the same tasks.
+recipe the same warm start (it is made once per seed) and the same tasks. A recipe that a race of
+bench/trl_seeds.py ran as its mtrl side (the default; the old default, overlong_penalty) is taken from
+that race's file where it exists (RACES).
 
 Each (recipe, seed) is written to its own file beside --out (FILE_<recipe>_seed<S>.json); one whose
 file exists is read, not run again, so the table can be filled over several sittings. Written to
@@ -67,6 +69,30 @@ def run_recipe(
     }
 
 
+# Recipes whose runs bench/trl_seeds.py's races already made (their mtrl side: the same warm start, work and
+# settings): recipe -> the --out stem of those races. The default's race is the current one; the old default's
+# was kept under its own name when the default changed.
+RACES = {"default": "trl_peer_smollm2_seeds", "overlong_penalty": "trl_peer_smollm2_seeds_overlong_penalty"}
+
+
+def cell_from_race(recipe: str, seed: int, results: Path) -> dict[str, Any] | None:
+    """The recipe's cell for `seed` from the race of that seed that ran it, if there is one (not run twice)."""
+    if recipe not in RACES or not (race_file := results / f"{RACES[recipe]}_seed{seed}.json").is_file():
+        return None
+    race = json.loads(race_file.read_text())
+    mtrl = race["mtrl"]
+    return {
+        "seed": seed,
+        "recipe": recipe,
+        "sets": RECIPES[recipe],
+        **{key: mtrl[key] for key in ("wall_s", "generated_tokens", "success_curve")},
+        "success": first_and_last_two(mtrl["success_curve"]),
+        "held_out": mtrl["success"]["held_out"],
+        "work": {"overrides": race["work"]["overrides"], "machine": race["machine"]},
+        "from_race": race_file.name,
+    }
+
+
 def table(cells: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Per recipe: means with standard errors over the seeds, and the paired difference from the default."""
     measures = {
@@ -104,6 +130,8 @@ def main() -> None:
         workdir, warm = Path(tempfile.mkdtemp(prefix=f"mtrl-recipes-seed{seed}-")), None
         for recipe in recipes:
             cell_file = args.out.with_name(f"{args.out.stem}_{recipe}_seed{seed}.json")
+            if not cell_file.is_file() and (cell := cell_from_race(recipe, seed, args.out.parent)):
+                cell_file.write_text(json.dumps(cell, indent=2) + "\n")
             if not cell_file.is_file():
                 warm = warm or smollm2_work(args.iterations, seed, workdir)  # once per seed, for every recipe
                 start, overrides = warm

@@ -32,6 +32,9 @@ training, `mtrl eval` scores the warm start and each side's last policy on the s
 fixed calculator tasks (eval's own task seed, whatever --seed), twice: sampled at the run's settings
 and greedily (top_k=1). --seed is both sides' seed (the warm start's, the task order, sampling,
 TRL's initialisation of anything random); bench/trl_seeds.py runs several and compares them.
+--trl-from FILE re-runs only mtrl's side of an earlier race of the same work and seed (after a change
+to mtrl), taking TRL's side and the warm start's scores from FILE (refused if FILE's work or warm-start
+weights differ); its ratio then divides walls of two invocations, and the JSON says so (trl_from).
 
 Each side is its own process, timed from launch to exit (imports included). Reported: wall
 times, generated tokens (model tokens only, not tool outputs), success per iteration (first ->
@@ -248,6 +251,19 @@ def smollm2_work(iterations: int, seed: int, workdir: Path) -> tuple[Path, dict[
     return Store(runs_dir).policy_dir(warm.policy), overrides
 
 
+def weights_digest(policy_dir: Path) -> str:
+    """sha256 over a policy folder's weight files (their names and bytes): the same warm start or not."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(policy_dir.glob("*.safetensors")):
+        digest.update(path.name.encode())
+        with path.open("rb") as weights:
+            while chunk := weights.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
 def held_out_success(model: Path, runs_dir: Path, tasks: int, policy: str | None = None) -> dict[str, float]:
     """`mtrl eval` of a model (or a stored policy of runs_dir) on `tasks` fixed calculator tasks:
     sampled at the run's settings, and greedily (top_k=1: the most likely token every step)."""
@@ -282,7 +298,17 @@ def main() -> None:
     parser.add_argument(
         "--held-out", type=int, default=256, help="smollm2: fixed calculator tasks scored after training"
     )
+    parser.add_argument(
+        "--trl-from",
+        type=Path,
+        default=None,
+        help="smollm2: an earlier race of the same work and seed whose TRL side (and warm start's held-out "
+        "success) this one takes instead of running them again; only mtrl runs and is scored",
+    )
     args = parser.parse_args()
+    earlier = json.loads(args.trl_from.read_text()) if args.trl_from else None
+    if earlier and args.model != "smollm2":
+        raise SystemExit("--trl-from: the smollm2 race only")
     out = args.out or REPO / "bench" / "results" / (
         "trl_peer_smollm2.json" if args.model == "smollm2" else "trl_peer.json"
     )
@@ -297,12 +323,31 @@ def main() -> None:
     start, overrides = (
         smollm2_work(args.iterations, args.seed, workdir) if args.model == "smollm2" else (None, {"seed": args.seed})
     )
+    if earlier and (earlier["work"]["overrides"], earlier["trl"]["success"]["held_out"]["tasks"]) != (
+        overrides,
+        args.held_out,
+    ):
+        raise SystemExit(f"--trl-from {args.trl_from} is a race of other work or held-out tasks: run TRL again")
     large = args.model == "smollm2"  # mtrl's memory rule: activation checkpointing from 50M parameters
     checkpointing = args.trl_gradient_checkpointing == "on" if args.trl_gradient_checkpointing else large
     spec = {"overrides": overrides, "model_dir": str(start) if start else None, "gradient_checkpointing": checkpointing}
     spec["save"] = str(workdir / "trl-trained") if large else None
     mtrl_flags = [*(["--model", str(start)] if start else []), *(f"--set={k}={v}" for k, v in overrides.items())]
-    for side in args.order.split(","):
+    if large:
+        results["warm_start"] = {"weights_sha256": weights_digest(start)}
+    if earlier:
+        # TRL's side does not depend on mtrl's code, and the warm start is the same bytes (checked where the
+        # earlier race recorded them): a race re-run for a change on mtrl's side needs only mtrl's side.
+        digest = results["warm_start"]["weights_sha256"]
+        if earlier["warm_start"].get("weights_sha256", digest) != digest:
+            raise SystemExit(f"--trl-from {args.trl_from} started from another warm start: run TRL again")
+        results["trl"], results["warm_start"]["held_out"] = earlier["trl"], earlier["warm_start"]["held_out"]
+        results["trl_from"] = {
+            "file": args.trl_from.name,
+            "commit": earlier["machine"]["commit"],
+            "warm_start_checked": "weights_sha256" in earlier["warm_start"],
+        }
+    for side in ("mtrl",) if earlier else args.order.split(","):
         load_before = os.getloadavg()
         with LoadSampler() as load:
             result = measure_trl(workdir, spec) if side == "trl" else measure_mtrl(mtrl_flags, workdir / "runs")
@@ -314,7 +359,7 @@ def main() -> None:
             **result,
         }
         print(side, json.dumps({k: results[side][k] for k in ("wall_s", "generated_tokens", "success_curve")}))
-    for side in ("trl", "mtrl"):
+    for side in ("mtrl",) if earlier else ("trl", "mtrl"):
         results[side]["success"] = first_and_last_two(results[side]["success_curve"])
     if large:  # each side's last policy on the same held-out tasks (not timed)
         from pipeline.store.lineage import latest_policy
@@ -322,10 +367,11 @@ def main() -> None:
 
         last = latest_policy(Store(workdir / "runs"))
         results["mtrl"]["success"]["held_out"] = held_out_success(start, workdir / "runs", args.held_out, policy=last)
-        results["trl"]["success"]["held_out"] = held_out_success(
-            Path(spec["save"]), workdir / "trl-eval", args.held_out
-        )
-        results["warm_start"] = {"held_out": held_out_success(start, workdir / "warm-eval", args.held_out)}
+        if not earlier:
+            results["trl"]["success"]["held_out"] = held_out_success(
+                Path(spec["save"]), workdir / "trl-eval", args.held_out
+            )
+            results["warm_start"]["held_out"] = held_out_success(start, workdir / "warm-eval", args.held_out)
     report = {
         "machine": ran_on,
         "model": args.model,

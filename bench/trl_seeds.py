@@ -58,6 +58,8 @@ def seed_row(race: dict[str, Any]) -> dict[str, Any]:
             "held_out": result["success"]["held_out"],
         }
     row["warm_start"] = race["warm_start"]
+    if "trl_from" in race:  # TRL's side from an earlier invocation (bench/trl_peer.py --trl-from)
+        row["trl_from"] = race["trl_from"]
     return row
 
 
