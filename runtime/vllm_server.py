@@ -14,12 +14,12 @@ import os
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
-from runtime.processes import pid_alive, popen_for_this_process
+from runtime.files import owned_temp_folder
+from runtime.processes import popen_for_this_process
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMP_PREFIX = "mtrl-vllm-server-"
@@ -128,12 +128,7 @@ def temp_folder() -> Path:
     torch.distributed init file per start). Named by this process, so the folders of an mtrl that died
     without stopping its server are removed by the next server's start; short, as a socket's path holds
     at most 107 bytes and vLLM adds a 36-character name."""
-    temp = Path(tempfile.gettempdir())
-    for folder in temp.glob(f"{TEMP_PREFIX}*"):
-        owner = folder.name.removeprefix(TEMP_PREFIX).split("-")[0]
-        if owner.isdigit() and not pid_alive(int(owner)):
-            shutil.rmtree(folder, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-", dir=temp))
+    return owned_temp_folder(TEMP_PREFIX)
 
 
 def healthy(url: str) -> bool:

@@ -20,9 +20,9 @@ from __future__ import annotations
 import os
 import resource
 import runpy
+import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 MAX_CODE_CHARS = 10_000
@@ -31,6 +31,7 @@ PYTHON_CPU_SECONDS = 10
 PYTHON_MEMORY_MB = 512
 PYTHON_FILE_MB = 16  # largest file a program may write (into its temporary folder)
 PYTHON_OPEN_FILES = 64
+TEMP_PREFIX = "mtrl-python-"  # each call's folder: the program, and what it writes
 
 
 def python(code: str) -> str:
@@ -41,12 +42,15 @@ def python(code: str) -> str:
     """
     import signal
 
-    from runtime.processes import dies_with_this_thread  # imported here: the runner below has no mtrl
+    from runtime.files import owned_temp_folder  # imported here: the runner below has no mtrl
+    from runtime.processes import dies_with_this_thread
 
     if not isinstance(code, str) or len(code) > MAX_CODE_CHARS:
         raise ValueError(f"code must be a string of at most {MAX_CODE_CHARS} characters")
-    with tempfile.TemporaryDirectory(prefix="mtrl-python-") as folder:
-        program = Path(folder) / "program.py"
+    # named by this worker: a worker killed at its deadline leaves it, and the next call removes it
+    folder = owned_temp_folder(TEMP_PREFIX)
+    try:
+        program = folder / "program.py"
         program.write_text(code)
         runner = [sys.executable, "-I", str(Path(__file__).resolve()), str(PYTHON_MEMORY_MB), str(PYTHON_CPU_SECONDS)]
         try:
@@ -62,6 +66,8 @@ def python(code: str) -> str:
             )
         except subprocess.TimeoutExpired:
             raise TimeoutError(f"the program ran longer than {PYTHON_TIMEOUT_S:g} s") from None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     output = (done.stdout + done.stderr).strip()
     if done.returncode != 0:  # an exception's traceback is the answer the model needs: not a tool failure
         output += f"\n(exit status {done.returncode})"

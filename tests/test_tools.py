@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import psutil
 import pytest
@@ -330,13 +331,17 @@ def test_the_python_tool_runs_a_program_in_a_limited_process_and_returns_what_it
 
 @pytest.mark.slow  # waits for its deadline (test_each_failure_kind_and_the_timeout times one out in the fast loop)
 def test_a_python_program_that_never_ends_is_killed_at_the_tool_deadline(tmp_path):
-    """The program writes its pid, then spins: its worker is killed at the deadline, and the
-    program dies with it."""
+    """The program writes its pid and folder, then spins: its worker is killed at the deadline, and the
+    program dies with it; the folder the killed worker left is removed by the next call."""
     pid_file = tmp_path / "pid"
-    code = f"import os\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\nwhile True:\n    pass"
+    code = f"import os\nopen({str(pid_file)!r}, 'w').write(f'{{os.getpid()}} {{os.getcwd()}}')\nwhile True:\n    pass"
     (result,) = run_tool_calls([ToolCall("python", {"code": code})], TOOLS, timeout_s=3)
     assert result.error == "timeout"
+    pid, folder = pid_file.read_text().split(" ", 1)
     try:
-        psutil.Process(int(pid_file.read_text())).wait(timeout=10)  # TimeoutExpired: it outlived its worker
+        psutil.Process(int(pid)).wait(timeout=10)  # TimeoutExpired: it outlived its worker
     except psutil.NoSuchProcess:
         pass  # gone already
+    assert Path(folder).is_dir()  # its worker was killed before it could remove it
+    (result,) = run_tool_calls([ToolCall("python", {"code": "print(6 * 7)"})], TOOLS, timeout_s=30)
+    assert result.content == "42" and not Path(folder).exists()
