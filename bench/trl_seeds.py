@@ -10,7 +10,9 @@ warm start, then TRL, then mtrl, then `mtrl eval` of the warm start and of both 
 the same --held-out fixed tasks, sampled and greedy), written to its own file beside --out
 (FILE_seed<S>.json). A seed whose file exists is read, not run again: a race takes about 80 minutes
 on 2 cores (most of it TRL's training and the six evaluations), so the seeds can be run over several
-sittings.
+sittings. After a change to mtrl, --trl-from EARLIER (an earlier --out) re-runs only mtrl's side of
+each seed that EARLIER holds, taking TRL's side and the warm start's scores from it (about 30 minutes
+a seed; `bench/trl_peer.py --trl-from`).
 
 Written to --out (default: trl_peer_smollm2_seeds.json in bench/results): every seed's numbers, and over
 the seeds each one's mean with its standard error (sample standard deviation / sqrt(seeds)) and the
@@ -95,6 +97,12 @@ def main() -> None:
     parser.add_argument("--held-out", type=int, default=256, help="fixed calculator tasks scored after training")
     parser.add_argument("--iterations", type=int, default=4, help="RL iterations of each side")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "trl_peer_smollm2_seeds.json")
+    parser.add_argument(
+        "--trl-from",
+        type=Path,
+        default=None,
+        help="earlier seeds' results (their --out): a seed to run whose race is there re-runs only mtrl's side",
+    )
     args = parser.parse_args()
     rows = []
     for seed in (int(text) for text in args.seeds.split(",")):
@@ -102,6 +110,11 @@ def main() -> None:
         if not race_file.is_file():
             command = [sys.executable, str(Path(__file__).with_name("trl_peer.py")), "--model", "smollm2"]
             command += ["--seed", str(seed), "--held-out", str(args.held_out), "--iterations", str(args.iterations)]
+            if (
+                args.trl_from
+                and (earlier := args.trl_from.with_name(f"{args.trl_from.stem}_seed{seed}.json")).is_file()
+            ):
+                command += ["--trl-from", str(earlier)]
             subprocess.run([*command, "--out", str(race_file)], check=True)
         race = json.loads(race_file.read_text())
         work = (race["work"]["overrides"]["iterations"], race["trl"]["success"]["held_out"]["tasks"])
