@@ -69,8 +69,12 @@ def machine() -> dict[str, Any]:
     edited = bool(
         subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout
     )
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "")
     return {
         "platform": platform.platform(),
+        # which kernels MKL and oneDNN pick, so the float rounding a run's samples follow
+        "cpu": {"model": model, "avx512": " avx512f " in cpuinfo.replace("\n", " ")},
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         **versions,
