@@ -425,3 +425,27 @@ def test_a_kept_kv_budget_that_drops_rows_changes_no_byte(tiny):
     (unbounded, unbounded_passes), (bounded, bounded_passes) = served[None], served[0.25]
     assert len(bounded_passes) > len(unbounded_passes)  # rows were replayed
     assert [(r.token_ids, c) for _, r, c in bounded] == [(r.token_ids, c) for _, r, c in unbounded]
+
+
+def test_a_server_that_dies_mid_answer_is_a_connection_error():
+    """A vLLM server killed while it sends an answer cuts the body short: that must be an OSError, as
+    every other broken exchange is (the engine names the dead server for those), not http.client's
+    IncompleteRead, which escaped the engine as a bare traceback."""
+    import socket
+    import threading
+
+    from stages.generate_rollouts.vllm_engine import post_json
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer_half() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(65536)
+            connection.sendall(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"ch')
+
+    server = threading.Thread(target=answer_half, daemon=True)
+    server.start()
+    with listener, pytest.raises(ConnectionError, match="IncompleteRead"):
+        post_json(f"http://127.0.0.1:{listener.getsockname()[1]}/v1/completions", {"prompt": [1]}, timeout_s=10)
+    server.join(timeout=10)

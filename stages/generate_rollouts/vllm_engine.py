@@ -26,6 +26,7 @@ fails the iteration (EngineError), never a silent fallback.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import os
 import shutil
@@ -128,11 +129,16 @@ def server_command(model_dir: str | Path, settings: EngineSettings, port: int) -
 
 
 def post_json(url: str, body: dict[str, Any], timeout_s: float) -> Any:
+    """POST `body` as JSON; the JSON answer. Every way the exchange can fail is an OSError (HTTP errors
+    included), so a server that dies mid-answer is one: http.client's IncompleteRead is not an OSError."""
     request = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
     )
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
-        text = response.read()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            text = response.read()
+    except http.client.HTTPException as exc:  # a cut or malformed answer
+        raise ConnectionError(f"the answer broke off ({type(exc).__name__}: {exc})") from exc
     return json.loads(text) if text else None
 
 
