@@ -58,12 +58,15 @@ def run_recipe(
     result = measure_mtrl(["--model", str(start), *(f"--set={k}={v}" for k, v in settings.items())], runs_dir)
     held_out = held_out_success(start, runs_dir, held_out_tasks, policy=latest_policy(Store(runs_dir)))
     shutil.rmtree(runs_dir)  # ~0.5 GB per SmolLM2 policy: a table's runs would fill the disk
+    return recipe_cell(recipe, result, held_out)
+
+
+def recipe_cell(recipe: str, result: dict[str, Any], held_out: dict[str, float]) -> dict[str, Any]:
+    """What a table cell keeps of one mtrl run (measure_mtrl's result) and its held-out success."""
     return {
         "recipe": recipe,
         "sets": RECIPES[recipe],
-        "wall_s": result["wall_s"],
-        "generated_tokens": result["generated_tokens"],
-        "success_curve": result["success_curve"],
+        **{key: result[key] for key in ("wall_s", "generated_tokens", "success_curve")},
         "success": first_and_last_two(result["success_curve"]),
         "held_out": held_out,
     }
@@ -80,14 +83,9 @@ def cell_from_race(recipe: str, seed: int, results: Path) -> dict[str, Any] | No
     if recipe not in RACES or not (race_file := results / f"{RACES[recipe]}_seed{seed}.json").is_file():
         return None
     race = json.loads(race_file.read_text())
-    mtrl = race["mtrl"]
     return {
         "seed": seed,
-        "recipe": recipe,
-        "sets": RECIPES[recipe],
-        **{key: mtrl[key] for key in ("wall_s", "generated_tokens", "success_curve")},
-        "success": first_and_last_two(mtrl["success_curve"]),
-        "held_out": mtrl["success"]["held_out"],
+        **recipe_cell(recipe, race["mtrl"], race["mtrl"]["success"]["held_out"]),
         "work": {"overrides": race["work"]["overrides"], "machine": race["machine"]},
         "from_race": race_file.name,
     }
