@@ -168,6 +168,16 @@ def pytest_configure(config):
     config.stash[_SHARED_SERVER_STOP] = (stop, thread)
 
 
+def pytest_sessionfinish(session):
+    # A flow run in a test process without PREFECT_API_URL starts Prefect's temporary server, which
+    # Prefect stops at exit and logs it to the stream pytest had given it, closed by then ("--- Logging
+    # error --- ValueError: I/O operation on closed file" after the summary): stop it while streams are open.
+    server = sys.modules.get("prefect.server.api.server")
+    if server is not None:
+        for temporary in list(server.SubprocessASGIServer._instances.values()):
+            temporary.stop()
+
+
 def pytest_unconfigure(config):
     if _SHARED_SERVER_STOP in config.stash:
         stop, thread = config.stash[_SHARED_SERVER_STOP]
