@@ -43,6 +43,9 @@ RECIPES: dict[str, dict[str, object]] = {  # name -> the --set values it changes
     "kl_0.05": {"ppo.kl_coef": 0.05},
     # the default until 2026-11-29 (DAPO's overlong penalty): a turn cut at max_new_tokens scored -0.5, not 0
     "overlong_penalty": {"reward.overlong_reward": -0.5},
+    # TRL's reading of a tool call its parser cannot read: the turn is the final answer (mtrl's default answers
+    # the call with its parse error and the rollout goes on): one of the ways the two sides of the race differ
+    "malformed_call_answer": {"tools.malformed_call": "answer"},
     "seq_mean_loss": {"ppo.loss_aggregation": "seq-mean-token-mean"},
     "two_epochs": {"ppo.epochs": 2},
 }

@@ -212,6 +212,13 @@ class ToolsConfig(Section):
         "calls in threads: no kill, no memory limit.",
     )
     memory_mb: int = Field(512, ge=16, description="Memory a sandboxed tool call may add, in MB.")
+    malformed_call: Literal["error", "answer"] = Field(
+        "error",
+        description="A turn with a tool call the parser cannot read (not JSON, no name, no closing tag): error = "
+        "every call of the turn is answered (the unreadable one with its parse error) and the rollout goes on, so "
+        "the model can correct itself; answer = no call runs and the turn is the final answer, as TRL's "
+        "GRPOTrainer reads it (its parser falls back to plain text).",
+    )
     mcp_servers: list[MCPServerConfig] = Field(
         default_factory=list,
         description="MCP tool servers started (command) or reached (url) at run start; their tools are offered to "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -345,3 +346,46 @@ def test_a_python_program_that_never_ends_is_killed_at_the_tool_deadline(tmp_pat
     assert Path(folder).is_dir()  # its worker was killed before it could remove it
     (result,) = run_tool_calls([ToolCall("python", {"code": "print(6 * 7)"})], TOOLS, timeout_s=30)
     assert result.content == "42" and not Path(folder).exists()
+
+
+@pytest.mark.parametrize("malformed_call", ["error", "answer"])
+def test_a_turn_with_a_malformed_call_goes_on_with_its_error_or_is_the_final_answer(malformed_call, tiny):
+    """tools.malformed_call: `error` answers every call of the turn and the rollout goes on; `answer`
+    runs none and ends a tool-using task's rollout on that turn, as TRL's GRPOTrainer reads it."""
+    from schemas.config import RunConfig
+    from schemas.features import GENERATE_ROLLOUTS, StopReason, dataset_from_rows
+    from stages.environments import ENVIRONMENTS
+    from stages.execute_tools import ExecuteSettings, execute_tools
+
+    task = {"question": "What is 2+3-1?", "expression": "2+3-1", "answer": 4}
+    content = (
+        '<tool_call>{"name": "calculate", "arguments": {"expression": "2+3"}}</tool_call>'
+        '<tool_call>{"name": "calculate", "arguments": {"expression": "5-1"</tool_call> so 4'
+    )
+    row = {
+        "rollout_id": 0,
+        "task": "calculator",
+        "task_payload": json.dumps(task),
+        "env_state": "{}",
+        "turn": 0,
+        "stream_offset": 0,
+        "context_token_ids": [1],
+        "completion_token_ids": [2],
+        "finish_reason": "stop",
+        "content": content,
+        "failed": False,
+    }
+    config = RunConfig(task={"name": "calculator"}, tools={"sandbox": False, "malformed_call": malformed_call})
+    environments = {"calculator": ENVIRONMENTS["calculator"]}
+    (turn,) = execute_tools(
+        dataset_from_rows([row], GENERATE_ROLLOUTS), tiny[1], environments, TOOLS, ExecuteSettings.resolve(config)
+    )
+    assert [call["parse_error"] is None for call in turn["tool_calls"]] == [True, False]
+    if malformed_call == "error":
+        assert [call["result"] for call in turn["tool_calls"]][0] == "5"
+        assert turn["tool_calls"][1]["failure_kind"] == "malformed" and turn["stop_reason"] is None
+        assert "5" in turn["observation"] and "not valid JSON" in turn["observation"]
+    else:
+        assert [call["result"] for call in turn["tool_calls"]] == [None, None]  # nothing ran
+        assert turn["stop_reason"] == StopReason.DONE and turn["terminated"] and turn["observation_token_ids"] == []
+        assert environments["calculator"].reward(task, turn) == 1.0  # its text is the answer: "... so 4"

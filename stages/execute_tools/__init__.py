@@ -51,6 +51,7 @@ class ExecuteSettings(Settings):
     max_output_chars: int = read("tools.max_output_chars")
     sandbox: bool = read("tools.sandbox")
     memory_mb: int = read("tools.memory_mb")
+    malformed_call: str = read("tools.malformed_call")
     max_context_tokens: int = read("generation.max_context_tokens")
     enable_thinking: bool = read("generation.enable_thinking")
     max_workers: int = read("runner.max_workers", placement=True)  # rollouts whose calls run at once
@@ -91,7 +92,13 @@ def _step_turn(
         return {**out, "truncated": True, "stop_reason": StopReason.CONTEXT_OVERFLOW if full else StopReason.LENGTH}
     task = json.loads(row["task_payload"])
     calls = parse_tool_calls(row["content"])
-    if environment.runs_tool_calls:  # its tools act on its episode: step() runs the calls that are well formed
+    # tools.malformed_call=answer: a turn with a call the parser cannot read runs no call and is the turn of a
+    # model that called nothing (a tool-using task's final answer), as TRL's GRPOTrainer reads it
+    as_answer = settings.malformed_call == "answer" and any(call.error is not None for call in calls)
+    results: list[ToolResult | None]
+    if as_answer:
+        results = [None] * len(calls)
+    elif environment.runs_tool_calls:  # its tools act on its episode: step() runs the calls that are well formed
         schemas = {schema["function"]["name"]: schema for schema in environment.own_tool_schemas}
         results = [rejected_call(call, schemas) for call in calls]
     else:
@@ -107,18 +114,18 @@ def _step_turn(
         )
     failure = None
     try:
-        given = calls
+        given = [] if as_answer else calls
         if environment.runs_tool_calls:  # it runs the well-formed calls itself
-            given = [call for call, result in zip(calls, results) if result is None]
+            given = [call for call, result in zip(given, results) if result is None]
         step = environment.step(
             task,
             row["turn"],
             row["content"],
             [{"name": c.name, "arguments": c.arguments} for c in given],
-            None if environment.runs_tool_calls else [r.content for r in results],
+            None if environment.runs_tool_calls else [r.content for r in results if r is not None],
             json.loads(row["env_state"]),
         )
-        if environment.runs_tool_calls:
+        if environment.runs_tool_calls and not as_answer:
             results = episode_results(calls, results, step.tool_results, settings.max_output_chars)
         next_env_state = row["env_state"] if step.state is None else json.dumps(step.state, sort_keys=True)
         observation = observation_token_ids(tokenizer, step.observation) if not step.done else []
