@@ -171,11 +171,18 @@ def pytest_configure(config):
 def pytest_sessionfinish(session):
     # A flow run in a test process without PREFECT_API_URL starts Prefect's temporary server, which
     # Prefect stops at exit and logs it to the stream pytest had given it, closed by then ("--- Logging
-    # error --- ValueError: I/O operation on closed file" after the summary): stop it while streams are open.
+    # error --- ValueError: I/O operation on closed file" after the summary): stop it while streams are open,
+    # without its "Stopping temporary server" line among the progress dots.
     server = sys.modules.get("prefect.server.api.server")
     if server is not None:
-        for temporary in list(server.SubprocessASGIServer._instances.values()):
-            temporary.stop()
+        prefect_logger = logging.getLogger("prefect")
+        level = prefect_logger.level
+        prefect_logger.setLevel(logging.WARNING)
+        try:
+            for temporary in list(server.SubprocessASGIServer._instances.values()):
+                temporary.stop()
+        finally:
+            prefect_logger.setLevel(level)
 
 
 def pytest_unconfigure(config):
