@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from test_tools import generated_turn
 
 from pipeline.store.versions import Store
 from runtime.processes import free_port
@@ -76,19 +77,7 @@ def test_an_mcp_environments_tools_run_inside_its_episode():
         '<tool_call>{"name": "calculate", "arguments": {"expression": 12}}</tool_call>'
         '<tool_call>{"name": "teleport", "arguments": {}}</tool_call>'
     )
-    row = {
-        "rollout_id": 0,
-        "task": CALC,
-        "task_payload": json.dumps(task),
-        "env_state": "{}",
-        "turn": 0,
-        "stream_offset": 0,
-        "context_token_ids": [1],
-        "completion_token_ids": [2],
-        "finish_reason": "stop",
-        "content": content,
-        "failed": False,
-    }
+    row = generated_turn(CALC, task, content)
     from pipeline.models.base_model import EMBEDDED_POLICY
     from stages.policy.loading import load_tokenizer
 

@@ -348,6 +348,23 @@ def test_a_python_program_that_never_ends_is_killed_at_the_tool_deadline(tmp_pat
     assert result.content == "42" and not Path(folder).exists()
 
 
+def generated_turn(task_name: str, task: dict, content: str) -> dict:
+    """A generate-rollouts row of a rollout's first turn that wrote `content`, for execute_tools."""
+    return {
+        "rollout_id": 0,
+        "task": task_name,
+        "task_payload": json.dumps(task),
+        "env_state": "{}",
+        "turn": 0,
+        "stream_offset": 0,
+        "context_token_ids": [1],
+        "completion_token_ids": [2],
+        "finish_reason": "stop",
+        "content": content,
+        "failed": False,
+    }
+
+
 @pytest.mark.parametrize("malformed_call", ["error", "answer"])
 def test_a_turn_with_a_malformed_call_goes_on_with_its_error_or_is_the_final_answer(malformed_call, tiny):
     """tools.malformed_call: `error` answers every call of the turn and the rollout goes on; `answer`
@@ -362,19 +379,7 @@ def test_a_turn_with_a_malformed_call_goes_on_with_its_error_or_is_the_final_ans
         '<tool_call>{"name": "calculate", "arguments": {"expression": "2+3"}}</tool_call>'
         '<tool_call>{"name": "calculate", "arguments": {"expression": "5-1"</tool_call> so 4'
     )
-    row = {
-        "rollout_id": 0,
-        "task": "calculator",
-        "task_payload": json.dumps(task),
-        "env_state": "{}",
-        "turn": 0,
-        "stream_offset": 0,
-        "context_token_ids": [1],
-        "completion_token_ids": [2],
-        "finish_reason": "stop",
-        "content": content,
-        "failed": False,
-    }
+    row = generated_turn("calculator", task, content)
     config = RunConfig(task={"name": "calculator"}, tools={"sandbox": False, "malformed_call": malformed_call})
     environments = {"calculator": ENVIRONMENTS["calculator"]}
     (turn,) = execute_tools(
