@@ -95,16 +95,15 @@ def _step_turn(
     # tools.malformed_call=answer: a turn with a call the parser cannot read runs no call and is the turn of a
     # model that called nothing (a tool-using task's final answer), as TRL's GRPOTrainer reads it
     as_answer = settings.malformed_call == "answer" and any(call.error is not None for call in calls)
+    runnable = [] if as_answer else calls
     results: list[ToolResult | None]
-    if as_answer:
-        results = [None] * len(calls)
-    elif environment.runs_tool_calls:  # its tools act on its episode: step() runs the calls that are well formed
+    if environment.runs_tool_calls:  # its tools act on its episode: step() runs the calls that are well formed
         schemas = {schema["function"]["name"]: schema for schema in environment.own_tool_schemas}
-        results = [rejected_call(call, schemas) for call in calls]
+        results = [rejected_call(call, schemas) for call in runnable]
     else:
         own_tools = {name: tools[name] for name in environment.tools}  # an agent only has its task's tools
         results = run_tool_calls(
-            calls,
+            runnable,
             own_tools,
             settings.timeout_s,
             settings.max_output_chars,
@@ -114,9 +113,9 @@ def _step_turn(
         )
     failure = None
     try:
-        given = [] if as_answer else calls
+        given = runnable
         if environment.runs_tool_calls:  # it runs the well-formed calls itself
-            given = [call for call, result in zip(given, results) if result is None]
+            given = [call for call, result in zip(runnable, results) if result is None]
         step = environment.step(
             task,
             row["turn"],
@@ -125,13 +124,13 @@ def _step_turn(
             None if environment.runs_tool_calls else [r.content for r in results if r is not None],
             json.loads(row["env_state"]),
         )
-        if environment.runs_tool_calls and not as_answer:
-            results = episode_results(calls, results, step.tool_results, settings.max_output_chars)
+        if environment.runs_tool_calls:
+            results = episode_results(runnable, results, step.tool_results, settings.max_output_chars)
         next_env_state = row["env_state"] if step.state is None else json.dumps(step.state, sort_keys=True)
         observation = observation_token_ids(tokenizer, step.observation) if not step.done else []
     except Exception as exc:  # an environment bug fails this rollout, visibly, not the run
         failure = f"environment '{row['task']}' raised {exc.__class__.__name__}: {exc}"
-    out["tool_calls"] = tool_call_rows(calls, results)
+    out["tool_calls"] = tool_call_rows(calls, results + [None] * (len(calls) - len(results)))  # unrun: no result
     crashed = [result.content for result in results if result is not None and result.error == "crashed"]
     if crashed:  # the tool's process died: an infrastructure failure, not the agent's
         failure = crashed[0]
