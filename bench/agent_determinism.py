@@ -21,7 +21,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from bench.agents import machine
+from bench.provenance import machine
 from pipeline.cli.main import main as mtrl
 from tests.test_agent_determinism import kill_and_resume_under_load
 

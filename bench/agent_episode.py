@@ -42,7 +42,6 @@ import datetime
 import importlib.util
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -50,9 +49,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from provenance import machine
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "bench-key"
@@ -70,27 +70,6 @@ REASONING_RULE = """        {%- if loop.index0 > ns.last_query and (loop.last or
             {{- content -}}
         {%- endif -%}
 """
-
-
-def machine() -> dict[str, Any]:
-    versions = {}
-    for name in ("torch", "transformers", "tokenizers", "jinja2", "httpx", "uvicorn"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    git = ["git", "-C", str(REPO)]
-    commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    changed = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True).stdout.splitlines()
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "commit": commit,
-        "uncommitted_files": sorted(line[3:] for line in changed),
-        **versions,
-    }
 
 
 def template_as_written(own: str) -> str:

@@ -54,7 +54,6 @@ import contextlib
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -62,9 +61,10 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from provenance import machine
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -73,26 +73,6 @@ PLUGIN = "bench.agent_bench_tasks"
 GUESS_AGENT = f"{PLUGIN}:play"
 SYNC_AGENT = f"{PLUGIN}:calculator_over_httpx"
 KEY = "bench-key"
-
-
-def machine() -> dict[str, Any]:
-    versions = {}
-    for name in ("torch", "transformers", "prefect", "openai", "httpx", "datasets"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    git = ["git", "-C", str(REPO)]
-    commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    changed = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True).stdout.splitlines()
-    return {
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "commit": commit,
-        "uncommitted_files": sorted(line[3:] for line in changed),
-        **versions,
-    }
 
 
 def summary(values: list[float], scale: float = 1.0, digits: int = 3) -> dict[str, float | int]:

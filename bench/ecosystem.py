@@ -43,7 +43,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from learning import machine, mtrl  # noqa: E402
+from learning import mtrl  # noqa: E402
+from provenance import machine  # noqa: E402
 from real_model import GGUF_NAME, gguf_path, iteration_report  # noqa: E402
 from trl_seeds import mean_and_error  # noqa: E402
 

@@ -22,7 +22,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from learning import machine, training_run  # noqa: E402
+from learning import training_run  # noqa: E402
+from provenance import machine  # noqa: E402
 
 SETTINGS = {"kl_0.05 (default)": [], "kl_0": ["--set", "ppo.kl_coef=0"]}
 

@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
+
+from provenance import machine
 
 MTRL = [sys.executable, "-m", "pipeline.cli"]
 EVAL_GAMES = ["--task", "guess-number", "--rollouts", "128", "--group-size", "1", "--seed", "0"]
@@ -40,11 +40,6 @@ EVAL_KEYS = (
     "truncation_rate",
     "max_turns_reached_rate",
 )
-
-
-def machine() -> dict:
-    versions = {name: metadata.version(name) for name in ("torch", "transformers", "prefect", "datasets")}
-    return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(), **versions}
 
 
 def mtrl(*args: str) -> tuple[str, float]:

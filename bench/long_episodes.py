@@ -25,16 +25,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from provenance import machine
 
 REPO = Path(__file__).resolve().parents[1]
 TURNS = 50
@@ -76,18 +76,6 @@ if __name__ != "__main__":  # imported by the run as its plugin: register the ta
             return json.loads(final_turn["next_env_state"]).get("rounds", 0) / 10
 
     ENVIRONMENTS[LongGuessEnv.name] = LongGuessEnv()
-
-
-def machine() -> dict[str, Any]:
-    versions = {name: metadata.version(name) for name in ("torch", "transformers", "prefect", "datasets")}
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
-    return {
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "commit": commit,
-        **versions,
-    }
 
 
 def mean(values: list[float]) -> float:

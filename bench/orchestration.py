@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -49,38 +48,13 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from provenance import machine
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-
-
-def machine() -> dict[str, Any]:
-    versions = {}
-    for name in ("torch", "transformers", "prefect", "datasets", "ray", "trl"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    git = ["git", "-C", str(REPO)]
-    commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    edited = bool(
-        subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout
-    )
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "")
-    return {
-        "platform": platform.platform(),
-        # which kernels MKL and oneDNN pick, so the float rounding a run's samples follow
-        "cpu": {"model": model, "avx512": " avx512f " in cpuinfo.replace("\n", " ")},
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        **versions,
-        "commit": commit,
-        "uncommitted_changes": edited,  # the commit alone does not say what ran
-    }
 
 
 def median_of(call: Callable[[], object], repeats: int) -> float:

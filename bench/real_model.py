@@ -37,7 +37,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from learning import machine, mtrl  # noqa: E402
+from learning import mtrl  # noqa: E402
+from provenance import machine  # noqa: E402
 
 from pipeline.store.versions import Store  # noqa: E402
 from runtime.cache import cache_dir  # noqa: E402

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from orchestration import REPO, machine, measure_mtrl  # noqa: E402
+from orchestration import REPO, measure_mtrl  # noqa: E402
+from provenance import machine  # noqa: E402
 from trl_peer import first_and_last_two, held_out_success, smollm2_work  # noqa: E402
 from trl_seeds import mean_and_error  # noqa: E402
 

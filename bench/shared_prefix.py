@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from learning import machine  # noqa: E402
+from provenance import machine  # noqa: E402
 from real_model import GGUF_NAME, RL_TASK, gguf_path  # noqa: E402
 
 from pipeline.models.base_model import SHIPPED_TEMPLATES, resolve_model_dir  # noqa: E402

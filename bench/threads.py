@@ -24,7 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from learning import machine, mtrl  # noqa: E402
+from learning import mtrl  # noqa: E402
+from provenance import machine  # noqa: E402
 from real_model import gguf_path  # noqa: E402
 
 REPEATS = 1  # runs per setting and load; raise it for medians

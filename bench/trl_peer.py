@@ -60,7 +60,8 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from orchestration import REPO, machine, measure_mtrl, timed_child  # noqa: E402
+from orchestration import REPO, measure_mtrl, timed_child  # noqa: E402
+from provenance import machine  # noqa: E402
 
 MAX_TURNS = 4
 

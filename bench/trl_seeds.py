@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from orchestration import REPO, machine  # noqa: E402
+from orchestration import REPO  # noqa: E402
+from provenance import machine  # noqa: E402
 
 SIDES = ("trl", "mtrl")
 
