@@ -114,6 +114,30 @@ def table(cells: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
+def markdown(rows: dict[str, Any]) -> str:
+    """table()'s rows as the docs' table: each cell mean +- standard error over the seeds."""
+
+    def cell(stats: dict[str, float], digits: int) -> str:
+        return f"{stats['mean']:.{digits}f} ± {stats['standard_error']:.{digits}f}"
+
+    lines = [
+        "| recipe | `--set` | held-out sampled | held-out greedy | training, last two | wall s "
+        "| sampled − default, paired | greedy − default, paired |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for recipe, stats in rows.items():
+        sets = ", ".join(f"`{key}={value}`" for key, value in RECIPES[recipe].items()) or "(none)"
+        paired = stats.get("minus_default", {})
+        differences = [
+            cell(paired[name], 3) if name in paired else "" for name in ("held_out_sampled", "held_out_greedy")
+        ]
+        lines.append(
+            f"| {recipe} | {sets} | {cell(stats['held_out_sampled'], 3)} | {cell(stats['held_out_greedy'], 3)} "
+            f"| {cell(stats['last_two_mean'], 2)} | {cell(stats['wall_s'], 0)} | {' | '.join(differences)} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
@@ -150,7 +174,7 @@ def main() -> None:
         shutil.rmtree(workdir)
     report = {"machine": ran_on, "seeds": args.seeds, "cells": cells, "table": table(cells)}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report["table"], indent=2))
+    print(markdown(report["table"]))
 
 
 if __name__ == "__main__":
