@@ -37,7 +37,6 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         **versions,
         "commit": commit,
-        "uncommitted_files": sorted(
-            line[3:] for line in edited.stdout.splitlines()
-        ),  # the commit alone is not what ran
+        # the commit alone is not what ran
+        "uncommitted_files": sorted(line[3:] for line in edited.stdout.splitlines()),
     }
