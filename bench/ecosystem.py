@@ -79,8 +79,7 @@ SUMMARISED = {  # what the summary gives with its standard error over the seeds
 
 
 def model_flags(args: argparse.Namespace, runs_dir: Path) -> list[str]:
-    """The model, its template and the warm start's task: the same in every command of a seed (mtrl
-    eval's too: task.tools names the warm start's task, which the run's config must hold)."""
+    """The model, its template and the warm start's task: the same in every command of a seed."""
     flags = ["--model", str(gguf_path(args.gguf)), "--runs-dir", str(runs_dir), "--seed", str(args.seed)]
     sets = {"model.chat_template": "hermes", "generation.enable_thinking": "false", "sft.task": WARM_START}
     return flags + [f"--set={name}={value}" for name, value in sets.items()]
@@ -93,10 +92,12 @@ def training_flags(args: argparse.Namespace) -> list[str]:
     return flags + [f"--set={name}={value}" for name, value in sets.items()]
 
 
-def task_flags(name: str | None) -> list[str]:
-    """The RL task with its settings and tools, beside the warm start's tool (the calculator)."""
+def task_flags(name: str | None, warm_start: bool = True) -> list[str]:
+    """The RL task with its settings and tools, beside the warm start's tool (the calculator) for a
+    command that trains the warm start (`mtrl eval` uses no warm start, and a task.tools entry for a
+    task a command does not use is an error)."""
     task = RL_TASKS[name] if name else {"task": "calculator", "options": {}, "tools": {}, "sets": {}}
-    tools = {WARM_START: ["calculate"], **task["tools"]}
+    tools = {**({WARM_START: ["calculate"]} if warm_start else {}), **task["tools"]}
     flags = ["--task", task["task"], f"--set=task.tools={json.dumps(tools)}"]
     if task["options"]:
         flags.append(f"--set=task.options={json.dumps(task['options'])}")
@@ -121,12 +122,13 @@ def one_seed(args: argparse.Namespace, root: Path) -> dict:
         shutil.rmtree(runs_dir, ignore_errors=True)  # what an earlier, unfinished attempt left
         shutil.copytree(warm_dir, runs_dir)  # the warm start is a stored version: RL finds it
         flags = [*model_flags(args, runs_dir), *task_flags(name)]
+        eval_flags = [*model_flags(args, runs_dir), *task_flags(name, warm_start=False)]
         started = time.perf_counter()
-        before = evaluate(flags, warm.policy, args.eval_rollouts)
+        before = evaluate(eval_flags, warm.policy, args.eval_rollouts)
         print(f"seed {args.seed} {name}: before RL {before}", flush=True)
         _, run_wall = mtrl("run", *flags, *training_flags(args), "--iterations", str(args.iterations[name]))
         store = Store(runs_dir)
-        after = evaluate(flags, latest_policy(store), args.eval_rollouts)
+        after = evaluate(eval_flags, latest_policy(store), args.eval_rollouts)
         print(f"seed {args.seed} {name}: after RL {after}", flush=True)
         results[name] = {
             "task": RL_TASKS[name]["task"],
