@@ -75,13 +75,14 @@ class TaskConfig(Section):
         default_factory=dict,
         description="Settings of an ecosystem task, by task name (docs/environments.md): a reasoning-gym "
         "generator's options ({'reasoning-gym/chain_sum': {'min_terms': 2}}), a textarena game's arguments, an "
-        "OpenEnv environment's class or URL. Part of the versions of the stages they shape.",
+        "OpenEnv environment's class or URL. Part of the versions of the stages they shape. Each task named "
+        "here is one of task.name's or sft.task's.",
     )
     tools: dict[str, list[str]] = Field(
         default_factory=dict,
         description="The tools offered to a task, by task name, replacing its environment's own (registered "
         "tools, e.g. calculate and python, or tools of tools.mcp_servers): {'reasoning-gym/chain_sum': "
-        "['calculate']}; [] offers none.",
+        "['calculate']}; [] offers none. Each task named here is one of task.name's or sft.task's.",
     )
 
     @model_validator(mode="after")

@@ -18,6 +18,7 @@ import json
 import os
 import random
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import computed_field
@@ -129,11 +130,14 @@ def tool_schemas(environment: Environment, tools: dict[str, Any]) -> list[dict[s
     return [tool_schema(tools[tool]) for tool in environment.tools]
 
 
-def check_run_tasks(mixes: list[Tasks], sandbox: bool, settings_by_task: dict[str, list[str]]) -> None:
+def check_run_tasks(
+    mixes: list[Tasks], sandbox: bool, settings_by_task: dict[str, list[str]], named_elsewhere: Sequence[str] = ()
+) -> None:
     """The task mixes of a run (RL's, and the warm start's) before any work: check_tasks of each, and
     every task named by a per-task setting (`settings_by_task`: task.options, task.tools -> the task
-    names they hold) is one the run uses."""
-    names = [name for tasks in mixes for name in tasks.names()]
+    names they hold) is one the run uses or one of `named_elsewhere` (tasks the config names that
+    this command does not run)."""
+    names = [name for tasks in mixes for name in tasks.names()] + list(named_elsewhere)
     for setting, named in settings_by_task.items():
         strangers = sorted(set(named) - set(names))
         if strangers:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli.config_docs import ConfigField, config_fields
-from pipeline.cli.main import UsageError, build_config, main, parser
+from pipeline.cli.main import UsageError, build_config, checked, main, parser
 from schemas.config import RunConfig
 
 
@@ -39,6 +39,17 @@ def test_bad_input_is_one_line_naming_the_choices_and_writes_nothing(tmp_path, c
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not runs.exists() or not any(p.name != ".prefect" for p in runs.iterdir())
+
+
+def test_eval_takes_the_task_flags_of_the_run_that_trained_its_warm_start():
+    """`mtrl eval` trains no warm start, yet task.tools may set up the warm start's task (sft.task):
+    the run's own flags are accepted; a task that neither the run nor its warm start names is not."""
+    tools = {"calculator": ["calculate"], "weather": ["get_weather", "calculate"]}
+    task_flags = ["--task", "calculator", f"--set=task.tools={json.dumps(tools)}"]
+    warm_started = ["eval", *task_flags, "--set=sft.task=weather"]
+    assert checked(build_config(parser().parse_args(warm_started))).sft.task == "weather"
+    with pytest.raises(UsageError, match=r"task.tools names \['weather'\], which the run does not use"):
+        checked(build_config(parser().parse_args(["eval", *task_flags])))
 
 
 def test_a_model_directory_without_a_tokenizer_is_refused(tmp_path, capsys):

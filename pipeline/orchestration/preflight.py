@@ -29,9 +29,13 @@ def check_config(config: RunConfig) -> None:
     except ImportError as exc:
         raise ConfigError(f"task.plugins: cannot import {exc.name!r}: {exc}") from None
     try:
-        warm_start = [DemonstrationTasks.resolve(config)] if config.sft.steps > 0 else []
+        demonstrations = DemonstrationTasks.resolve(config)
+        warm_start = [demonstrations] if config.sft.steps > 0 else []
+        # sft.task's tasks may be set up by task.options and task.tools where no warm start trains
+        # (`mtrl eval`, sft.steps=0): the flags of the run that made a warm start work unchanged
+        named_elsewhere = demonstrations.names() if config.sft.task is not None else []
         per_task = {"task.options": list(config.task.options), "task.tools": list(config.task.tools)}
-        check_run_tasks([Tasks.resolve(config), *warm_start], config.tools.sandbox, per_task)
+        check_run_tasks([Tasks.resolve(config), *warm_start], config.tools.sandbox, per_task, named_elsewhere)
         for tasks in warm_start:
             check_demonstrations(demonstrators(tasks))
     except ValueError as exc:
