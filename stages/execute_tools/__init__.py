@@ -85,8 +85,8 @@ def _step_turn(
     recorded = agent_state(row["env_state"])
     if recorded is not None:  # an agent program's call: its tools ran in the agent, recorded
         return {**out, **agent_turn(row, recorded, tokenizer)}
+    used = row["stream_offset"] + len(row["context_token_ids"]) + len(row["completion_token_ids"])  # context so far
     if row["finish_reason"] == FinishReason.LENGTH:  # cut mid-answer: nothing to execute
-        used = row["stream_offset"] + len(row["context_token_ids"]) + len(row["completion_token_ids"])
         # cut by the context budget (it left less than max_new_tokens), or by max_new_tokens
         full = used >= settings.max_context_tokens
         return {**out, "truncated": True, "stop_reason": StopReason.CONTEXT_OVERFLOW if full else StopReason.LENGTH}
@@ -144,7 +144,6 @@ def _step_turn(
     if row["finish_reason"] == FinishReason.STOP_STRING:  # the turn was cut at a stop string: close it
         observation = [tokenizer.eos_token_id, *observation]
     next_prompt = generation_prompt_ids(tokenizer, settings.enable_thinking)
-    used = row["stream_offset"] + len(row["context_token_ids"]) + len(row["completion_token_ids"])
     if used + len(observation) + len(next_prompt) >= settings.max_context_tokens:
         return {**out, "truncated": True, "stop_reason": StopReason.CONTEXT_OVERFLOW}
     out["observation_token_ids"] = observation
