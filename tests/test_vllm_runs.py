@@ -110,12 +110,13 @@ def test_a_sigkilled_mtrl_takes_its_vllm_server_and_engine_processes_along(tmp_p
     (server,) = server_pids(runs)  # up and generating: its engine processes exist
     group = [p for p in psutil.process_iter() if p.pid != server and _process_group(p.pid) == server]
     assert group, "the vLLM server started no engine process"
+    (temp_dir,) = Path(tempfile.gettempdir()).glob(f"{TEMP_PREFIX}{run.pid}-*")  # the server's, named by mtrl
     run.kill()  # mtrl only: the server has its own process group
     run.communicate()
     _, alive = psutil.wait_procs([psutil.Process(server), *group], timeout=60)
     assert not alive, f"outlived the SIGKILLed mtrl: {[p.cmdline()[:3] for p in alive]}"
-    # A SIGKILLed mtrl removes nothing: its server's temp dir stays until the next server starts.
-    (temp_dir,) = Path(tempfile.gettempdir()).glob(f"{TEMP_PREFIX}{run.pid}-*")
+    # A SIGKILLed mtrl removes nothing: its server's temp dir stays until the next server starts (here,
+    # or a server another test starts meanwhile: so the dir is looked for while it is in use, above).
     shutil.rmtree(temp_folder())
     assert not temp_dir.exists()
 
