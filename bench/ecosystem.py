@@ -51,6 +51,7 @@ from trl_seeds import mean_and_error  # noqa: E402
 
 from pipeline.store.lineage import latest_policy  # noqa: E402
 from pipeline.store.versions import Store  # noqa: E402
+from runtime.files import replace_file  # noqa: E402
 
 WARM_START = "reasoning-gym/products"  # multiplications: a calculate call, then the answer between the tags
 ARITHMETIC = "reasoning-gym/basic_arithmetic"
@@ -92,12 +93,10 @@ def training_flags(args: argparse.Namespace) -> list[str]:
     return flags + [f"--set={name}={value}" for name, value in sets.items()]
 
 
-def task_flags(name: str | None, warm_start: bool = True) -> list[str]:
-    """The RL task with its settings and tools, beside the warm start's tool (the calculator) for a
-    command that trains the warm start (`mtrl eval` uses no warm start, and a task.tools entry for a
-    task a command does not use is an error)."""
+def task_flags(name: str | None) -> list[str]:
+    """The RL task with its settings and tools, beside the warm start's tool (the calculator)."""
     task = RL_TASKS[name] if name else {"task": "calculator", "options": {}, "tools": {}, "sets": {}}
-    tools = {**({WARM_START: ["calculate"]} if warm_start else {}), **task["tools"]}
+    tools = {WARM_START: ["calculate"], **task["tools"]}
     flags = ["--task", task["task"], f"--set=task.tools={json.dumps(tools)}"]
     if task["options"]:
         flags.append(f"--set=task.options={json.dumps(task['options'])}")
@@ -122,13 +121,12 @@ def one_seed(args: argparse.Namespace, root: Path) -> dict:
         shutil.rmtree(runs_dir, ignore_errors=True)  # what an earlier, unfinished attempt left
         shutil.copytree(warm_dir, runs_dir)  # the warm start is a stored version: RL finds it
         flags = [*model_flags(args, runs_dir), *task_flags(name)]
-        eval_flags = [*model_flags(args, runs_dir), *task_flags(name, warm_start=False)]
         started = time.perf_counter()
-        before = evaluate(eval_flags, warm.policy, args.eval_rollouts)
+        before = evaluate(flags, warm.policy, args.eval_rollouts)
         print(f"seed {args.seed} {name}: before RL {before}", flush=True)
         _, run_wall = mtrl("run", *flags, *training_flags(args), "--iterations", str(args.iterations[name]))
         store = Store(runs_dir)
-        after = evaluate(eval_flags, latest_policy(store), args.eval_rollouts)
+        after = evaluate(flags, latest_policy(store), args.eval_rollouts)
         print(f"seed {args.seed} {name}: after RL {after}", flush=True)
         results[name] = {
             "task": RL_TASKS[name]["task"],
@@ -153,9 +151,8 @@ def seed_results(args: argparse.Namespace, seed: int, root: Path, ran_on: dict) 
     work = {name: str(getattr(args, name)) for name in WORK}  # what the seed's numbers depend on
     if not seed_file.is_file():
         results = one_seed(argparse.Namespace(**vars(args), seed=seed), root / f"seed-{seed}")
-        unfinished = seed_file.with_suffix(".partial")  # a crash mid-write leaves no seed file that looks whole
-        unfinished.write_text(json.dumps({"seed": seed, "work": work, "machine": ran_on, **results}, indent=2) + "\n")
-        unfinished.replace(seed_file)
+        stored = {"seed": seed, "work": work, "machine": ran_on, **results}
+        replace_file(seed_file, (json.dumps(stored, indent=2) + "\n").encode())  # a crash leaves no half file
     stored = json.loads(seed_file.read_text())
     if stored["work"] != work:
         raise SystemExit(f"{seed_file} is a run of other work {stored['work']}: move it away")
