@@ -35,6 +35,7 @@ from trl_seeds import mean_and_error  # noqa: E402
 
 from pipeline.store.lineage import latest_policy  # noqa: E402
 from pipeline.store.versions import Store  # noqa: E402
+from runtime.files import replace_file  # noqa: E402
 
 RECIPES: dict[str, dict[str, object]] = {  # name -> the --set values it changes
     "default": {},
@@ -157,13 +158,13 @@ def main() -> None:
         for recipe in recipes:
             cell_file = args.out.with_name(f"{args.out.stem}_{recipe}_seed{seed}.json")
             if not cell_file.is_file() and (cell := cell_from_race(recipe, seed, args.out.parent)):
-                cell_file.write_text(json.dumps(cell, indent=2) + "\n")
+                replace_file(cell_file, (json.dumps(cell, indent=2) + "\n").encode())  # read back when run again
             if not cell_file.is_file():
                 warm = warm or smollm2_work(args.iterations, seed, workdir)  # once per seed, for every recipe
                 start, overrides = warm
                 cell = {"seed": seed, **run_recipe(recipe, start, overrides, args.held_out, workdir)}
                 cell["work"] = {"overrides": overrides, "machine": ran_on}
-                cell_file.write_text(json.dumps(cell, indent=2) + "\n")
+                replace_file(cell_file, (json.dumps(cell, indent=2) + "\n").encode())  # read back when run again
             cell = json.loads(cell_file.read_text())
             work = (cell["work"]["overrides"]["iterations"], cell["held_out"]["tasks"])
             if work != (args.iterations, args.held_out):
